@@ -1,0 +1,277 @@
+"""The Prompt Cache engine: register schemas (encoding their modules once) and serve prompts.
+
+Serving a prompt splices the KV of the modules it imports, computes only its
+uncached tokens at their reserved positions, and decodes. ``generate_full`` is
+the baseline: a full prefill of the same tokens on the same runtime. The engine
+knows nothing about documents, retrieval or frameworks.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass, field, replace
+from functools import cached_property
+from typing import Literal
+
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from pc_rag.assemble import forward_new_tokens, splice
+from pc_rag.chat import ChatWrappers, chat_wrappers
+from pc_rag.encode import encode_spans
+from pc_rag.errors import ContextLengthError, UnknownSchemaError
+from pc_rag.generate import (
+    GenerationResult,
+    GenerationStats,
+    SamplingParams,
+    Stopwatch,
+    decode_tokens,
+    eos_ids,
+    stream_text,
+)
+from pc_rag.kv import SpanKV, allocate, kv_shape
+from pc_rag.layout import SchemaLayout, layout_schema
+from pc_rag.model import LoadedModel
+from pc_rag.plan import ServePlan, plan_prompt
+from pc_rag.pml.nodes import Prompt, Role, Schema
+from pc_rag.pml.parser import parse_prompt, parse_schema
+from pc_rag.pml.validate import validate_prompt
+
+logger = logging.getLogger(__name__)
+
+Encoding = Literal["isolated", "scaffold"]
+_ENCODE_BATCH = 8
+
+
+@dataclass
+class EncodedSchema:
+    """A schema's layout and the KV of each span; ``scaffolds`` holds the jointly encoded variants."""
+
+    layout: SchemaLayout
+    kv: dict[str, SpanKV]
+    scaffolds: dict[str, dict[str, SpanKV]] = field(default_factory=dict)
+
+    @property
+    def nbytes(self) -> int:
+        joint = sum(kv.nbytes for group in self.scaffolds.values() for kv in group.values())
+        return sum(kv.nbytes for kv in self.kv.values()) + joint
+
+
+@dataclass
+class _Request:
+    """What serving one prompt needs: the plan and the spans' KV in cache order."""
+
+    plan: ServePlan
+    parts: list[SpanKV]
+
+    @property
+    def cached_tokens(self) -> int:
+        return sum(kv.length for kv in self.parts)
+
+
+class PromptCache:
+    """Serve PML prompts from precomputed module KV on one model.
+
+    ``kv_device`` is where module KV is kept (default: the model's device; ``"cpu"``
+    keeps it in host memory, pinned when CUDA is present). ``kv_dtype`` defaults to
+    the model's dtype.
+    """
+
+    def __init__(
+        self, lm: LoadedModel, *, kv_device: str | torch.device | None = None, kv_dtype: torch.dtype | None = None
+    ) -> None:
+        self.lm = lm
+        self.kv_device = torch.device(kv_device) if kv_device is not None else lm.device
+        self.kv_dtype = kv_dtype or lm.dtype
+        self.schemas: dict[str, EncodedSchema] = {}
+        self._stop_ids = eos_ids(lm.model, lm.tokenizer)
+
+    @cached_property
+    def wrappers(self) -> ChatWrappers:
+        return chat_wrappers(self.lm.tokenizer)
+
+    def tokenize(self, text: str) -> list[int]:
+        return self.lm.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    @cached_property
+    def _bos(self) -> list[int]:
+        with_special = self.lm.tokenizer("x")["input_ids"]
+        plain = self.tokenize("x")
+        return with_special[: len(with_special) - len(plain)] if with_special[-len(plain) :] == plain else []
+
+    def add_schema(self, schema: Schema | str) -> EncodedSchema:
+        """Lay out ``schema`` (a ``Schema`` or PML text) and encode every span once; replaces a same-named schema."""
+        if isinstance(schema, str):
+            schema = parse_schema(schema)
+        layout = layout_schema(schema, self.tokenize, lambda: self.wrappers, self._bos)
+        if layout.length > self.lm.max_positions:
+            msg = f"schema {schema.name!r} needs {layout.length} positions; the model has {self.lm.max_positions}"
+            raise ContextLengthError(msg)
+        encoded = EncodedSchema(layout=layout, kv=self._encode_isolated(layout))
+        scaffolds = {s.scaffold for s in layout.spans.values() if s.scaffold}
+        for name in sorted(scaffolds):
+            encoded.scaffolds[name] = self._encode_scaffold(layout, name, encoded.kv)
+        self.schemas[schema.name] = encoded
+        logger.info("encoded schema %r: %d spans, %d bytes", schema.name, len(encoded.kv), encoded.nbytes)
+        return encoded
+
+    def _encode_isolated(self, layout: SchemaLayout) -> dict[str, SpanKV]:
+        spans = list(layout.spans.values())
+        kv: dict[str, SpanKV] = {}
+        prefix = None
+        if layout.prefix is not None:
+            head = layout.spans[layout.prefix]
+            prefix = encode_spans(self.lm.model, [(head.token_ids, head.positions)])[0]
+            kv[head.name] = prefix
+        rest = sorted((s for s in spans if s.name != layout.prefix and s.token_ids), key=lambda s: len(s.token_ids))
+        for i in range(0, len(rest), _ENCODE_BATCH):
+            batch = rest[i : i + _ENCODE_BATCH]
+            encoded = encode_spans(self.lm.model, [(s.token_ids, s.positions) for s in batch], prefix)
+            kv.update({s.name: e for s, e in zip(batch, encoded, strict=True)})
+        for span in spans:  # modules that are only params or nested modules have no tokens of their own
+            kv.setdefault(span.name, _empty_kv(self.lm, self.kv_dtype))
+        return {name: value.to(self.kv_device, self.kv_dtype) for name, value in kv.items()}
+
+    def _encode_scaffold(self, layout: SchemaLayout, scaffold: str, isolated: dict[str, SpanKV]) -> dict[str, SpanKV]:
+        members = [layout.spans[n] for n in layout.scaffold_members(scaffold)]
+        ids = [t for m in members for t in m.token_ids]
+        positions = [p for m in members for p in m.positions]
+        prefix = isolated.get(layout.prefix) if layout.prefix else None
+        joint = encode_spans(self.lm.model, [(ids, positions)], None if prefix is None else prefix.to(self.lm.device, self.lm.dtype))[0]
+        out, offset = {}, 0
+        for m in members:
+            n = len(m.token_ids)
+            out[m.name] = SpanKV(joint.keys[:, :, offset : offset + n], joint.values[:, :, offset : offset + n], joint.positions[offset : offset + n]).to(self.kv_device, self.kv_dtype)
+            offset += n
+        return out
+
+    def _request(self, prompt: Prompt | str) -> _Request:
+        if isinstance(prompt, str):
+            prompt = parse_prompt(prompt)
+        encoded = self.schemas.get(prompt.schema)
+        if encoded is None:
+            msg = f"schema {prompt.schema!r} is not registered; known: {sorted(self.schemas) or 'none'}"
+            raise UnknownSchemaError(msg, name=prompt.schema)
+        validate_prompt(prompt, encoded.layout.schema)
+        uses_roles = any(isinstance(c, Role) for c in prompt.children) or any(
+            isinstance(c, Role) for c in encoded.layout.schema.children
+        )
+        wrappers = self.wrappers if uses_roles else None
+        plan = plan_prompt(prompt, encoded.layout, self.tokenize, wrappers, add_generation_prompt=uses_roles)
+        if plan.next_position >= self.lm.max_positions:
+            msg = f"prompt reaches position {plan.next_position}; the model has {self.lm.max_positions}"
+            raise ContextLengthError(msg)
+        imported = set(plan.spans)
+        parts = []
+        for name in plan.spans:
+            scaffold = encoded.layout.spans[name].scaffold
+            joint = encoded.scaffolds.get(scaffold) if scaffold else None
+            use_joint = joint is not None and imported.issuperset(joint)
+            parts.append(joint[name] if use_joint else encoded.kv[name])
+        return _Request(plan, parts)
+
+    def plan(self, prompt: Prompt | str) -> ServePlan:
+        """Validate and plan ``prompt`` without running the model."""
+        return self._request(prompt).plan
+
+    def full_prompt_ids(self, prompt: Prompt | str) -> list[int]:
+        """The plain token sequence equivalent to ``prompt``: spans and computed tokens in position order."""
+        request = self._request(prompt)
+        encoded = self.schemas[(parse_prompt(prompt) if isinstance(prompt, str) else prompt).schema]
+        tokens = [(p, i) for n in request.plan.spans for i, p in zip(encoded.layout.spans[n].token_ids, encoded.layout.spans[n].positions, strict=True)]
+        tokens += list(zip(request.plan.new_positions, request.plan.new_ids, strict=True))
+        return [i for _, i in sorted(tokens, key=lambda t: t[0])]
+
+    def generate(self, prompt: Prompt | str, params: SamplingParams | None = None, **kwargs: object) -> GenerationResult:
+        """Serve ``prompt`` from cached modules and return the reply with timings."""
+        return _collect(self._serve(prompt, params, **kwargs))
+
+    def stream(self, prompt: Prompt | str, params: SamplingParams | None = None, **kwargs: object) -> ReplyStream:
+        """Stream the reply: iterate for text deltas; ``.result`` holds the ``GenerationResult`` afterwards."""
+        return ReplyStream(self._serve(prompt, params, **kwargs))
+
+    def _serve(self, prompt: Prompt | str, params: SamplingParams | None, **kwargs: object) -> Iterator[str | GenerationResult]:
+        params = replace(params or SamplingParams(), **kwargs)  # type: ignore[arg-type]
+        watch = Stopwatch()
+        request = self._request(prompt)
+        plan = request.plan
+        extra = len(plan.new_ids) + params.max_new_tokens
+        buffer, length = splice(self.lm.model, self.lm.rope, [(kv, 0) for kv in request.parts], extra)
+        logits, cache = forward_new_tokens(self.lm.model, buffer, length, plan.new_ids, plan.new_positions)
+        tokens = decode_tokens(self.lm.model, cache, logits, plan.next_position, params, self._stop_ids)
+        yield from _run(tokens, self.lm.tokenizer, params, watch, logits, request.cached_tokens, len(plan.new_ids))
+
+    def generate_full(self, prompt: Prompt | str, params: SamplingParams | None = None, **kwargs: object) -> GenerationResult:
+        """Baseline: full prefill of the same tokens (contiguous positions), then the same decoding."""
+        return _collect(self._serve_ids(self.full_prompt_ids(prompt), params, **kwargs))
+
+    def stream_ids(self, ids: list[int], params: SamplingParams | None = None, **kwargs: object) -> ReplyStream:
+        """Full prefill of plain token ids (no cache reuse), then decoding; streams like ``stream``."""
+        return ReplyStream(self._serve_ids(ids, params, **kwargs))
+
+    def generate_ids(self, ids: list[int], params: SamplingParams | None = None, **kwargs: object) -> GenerationResult:
+        """Full prefill of plain token ids, then decoding."""
+        return _collect(self._serve_ids(ids, params, **kwargs))
+
+    def _serve_ids(self, ids: list[int], params: SamplingParams | None, **kwargs: object) -> Iterator[str | GenerationResult]:
+        params = replace(params or SamplingParams(), **kwargs)  # type: ignore[arg-type]
+        if len(ids) + 1 > self.lm.max_positions:
+            msg = f"prompt of {len(ids)} tokens exceeds the model's {self.lm.max_positions} positions"
+            raise ContextLengthError(msg)
+        watch = Stopwatch()
+        buffer = allocate(self.lm.model, len(ids) + params.max_new_tokens)
+        logits, cache = forward_new_tokens(self.lm.model, buffer, 0, ids, range(len(ids)))
+        tokens = decode_tokens(self.lm.model, cache, logits, len(ids), params, self._stop_ids)
+        yield from _run(tokens, self.lm.tokenizer, params, watch, logits, 0, len(ids))
+
+
+class ReplyStream:
+    """Text deltas of a reply as they are decoded; ``result`` is set when iteration ends."""
+
+    def __init__(self, items: Iterator[str | GenerationResult]) -> None:
+        self._items = items
+        self.result: GenerationResult | None = None
+
+    def __iter__(self) -> Iterator[str]:
+        for item in self._items:
+            if isinstance(item, GenerationResult):
+                self.result = item
+            else:
+                yield item
+
+
+def _run(
+    tokens: Iterator[int],
+    tokenizer: PreTrainedTokenizerBase,
+    params: SamplingParams,
+    watch: Stopwatch,
+    logits: torch.Tensor,
+    cached: int,
+    computed: int,
+) -> Iterator[str | GenerationResult]:
+    ids: list[int] = []
+
+    def on_token(token: int) -> None:
+        watch.mark()
+        ids.append(token)
+
+    pieces = []
+    for piece in stream_text(tokens, tokenizer, params.stop, on_token):
+        pieces.append(piece)
+        yield piece
+    total = watch.elapsed_ms()
+    stats = GenerationStats(watch.first if watch.first is not None else total, total, cached, computed, len(ids))
+    yield GenerationResult("".join(pieces), ids, stats, logits.detach().float().cpu())
+
+
+def _collect(stream: Iterator[str | GenerationResult]) -> GenerationResult:
+    *_, result = stream
+    assert isinstance(result, GenerationResult)
+    return result
+
+
+def _empty_kv(lm: LoadedModel, dtype: torch.dtype) -> SpanKV:
+    layers, heads, head_dim = kv_shape(lm.model)
+    empty = torch.empty(layers, heads, 0, head_dim, dtype=dtype)
+    return SpanKV(empty, empty.clone(), torch.empty(0, dtype=torch.long))

@@ -1,0 +1,83 @@
+"""Exception family of pc-rag.
+
+Every error a user can cause (bad PML, unknown module, oversized argument,
+unsupported model) is one of these, raised with enough context to fix it.
+Internal invariants use ``assert`` instead.
+"""
+
+from __future__ import annotations
+
+
+class PCRagError(Exception):
+    """Base class of every error pc-rag raises on purpose."""
+
+
+class PMLError(PCRagError):
+    """A schema or prompt written in PML is invalid.
+
+    Carries the offending ``name`` (module, param, schema) and the ``line`` and
+    ``column`` in the XML source where known.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        name: str | None = None,
+        line: int | None = None,
+        column: int | None = None,
+    ) -> None:
+        self.message = message
+        self.name = name
+        self.line = line
+        self.column = column
+        where = f" (line {line}, column {column})" if line is not None else ""
+        super().__init__(f"{message}{where}")
+
+
+class PMLSyntaxError(PMLError):
+    """The XML is malformed, too large, too deep, or uses forbidden features (DTD, entities)."""
+
+
+class DuplicateNameError(PMLError):
+    """Two modules, params or schemas share a name where names must be unique."""
+
+
+class UnknownSchemaError(PMLError):
+    """A prompt names a schema that has not been registered."""
+
+
+class UnknownModuleError(PMLError):
+    """A prompt imports a module that its schema does not declare."""
+
+
+class UnknownParamError(PMLError):
+    """A prompt passes an argument that the module does not declare."""
+
+
+class UnionConflictError(PMLError):
+    """A prompt imports two members of the same union."""
+
+
+class ArgumentTooLongError(PMLError):
+    """An argument needs more tokens than its ``<param len>`` reserves."""
+
+
+class InvalidNameError(PMLError):
+    """A module, param, scaffold or schema name is not an XML name, or is a reserved tag name."""
+
+
+class PMLStructureError(PMLError):
+    """Well-formed input that breaks PML's grammar: misplaced or unknown element, bad attribute."""
+
+
+class UnsupportedModelError(PCRagError):
+    """The model cannot be served by Prompt Cache (e.g. no RoPE, or RoPE that does not compose)."""
+
+
+class ModelLoadError(PCRagError):
+    """A model could not be found or loaded offline."""
+
+
+class ContextLengthError(PCRagError):
+    """A prompt's positions exceed the model's context window."""

@@ -1,0 +1,165 @@
+"""Token-by-token decoding on a prepared cache: greedy or sampled, with EOS and stop strings.
+
+The decoder knows nothing about how the cache was filled (spliced modules or a
+full prefill): it receives the logits of the last prompt token, a cache whose
+length is the prompt's, and the position of the first generated token.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from transformers.cache_utils import Cache
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Decoding settings. ``temperature == 0`` is greedy; ``top_k == 0`` and ``top_p == 1`` disable those filters."""
+
+    max_new_tokens: int = 64
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.temperature < 0 or not 0 < self.top_p <= 1 or self.top_k < 0:
+            raise ValueError(f"invalid sampling settings: {self}")
+
+
+@dataclass
+class GenerationStats:
+    """Timings in milliseconds and token counts of one request."""
+
+    ttft_ms: float
+    total_ms: float
+    cached_tokens: int
+    computed_tokens: int
+    new_tokens: int
+
+
+@dataclass
+class GenerationResult:
+    """Generated text (stop string excluded), its token ids, stats, and the first step's logits."""
+
+    text: str
+    token_ids: list[int]
+    stats: GenerationStats
+    first_logits: torch.Tensor = field(repr=False)
+
+
+def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
+    """Pick the next token from ``logits`` [V] under ``params``."""
+    if params.temperature == 0:
+        return int(logits.argmax())
+    logits = logits.float() / params.temperature
+    if params.top_k:
+        kth = torch.topk(logits, min(params.top_k, logits.shape[-1])).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = logits.softmax(-1)
+    if params.top_p < 1:
+        sorted_probs, order = probs.sort(descending=True)
+        outside = sorted_probs.cumsum(-1) - sorted_probs > params.top_p  # keep the smallest set reaching top_p
+        sorted_probs[outside] = 0
+        probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
+    return int(torch.multinomial(probs.cpu(), 1, generator=generator))
+
+
+def eos_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:
+    """All ids that end a reply: the tokenizer's EOS and the generation config's."""
+    ids: set[int] = set()
+    for value in (tokenizer.eos_token_id, getattr(model.generation_config, "eos_token_id", None)):
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, Sequence):
+            ids.update(int(v) for v in value)
+    return frozenset(ids)
+
+
+@torch.inference_mode()
+def decode_tokens(
+    model: PreTrainedModel,
+    cache: Cache,
+    first_logits: torch.Tensor,
+    next_position: int,
+    params: SamplingParams,
+    stop_ids: frozenset[int],
+) -> Iterator[int]:
+    """Yield generated token ids (EOS excluded) until EOS or ``max_new_tokens``."""
+    generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
+    device = first_logits.device
+    logits = first_logits
+    for step in range(params.max_new_tokens):
+        token = sample(logits, params, generator)
+        if token in stop_ids:
+            return
+        yield token
+        if step + 1 == params.max_new_tokens:
+            return
+        out = model(
+            input_ids=torch.tensor([[token]], device=device),
+            position_ids=torch.tensor([[next_position + step]], device=device),
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        logits = out.logits[0, -1]
+
+
+def stream_text(
+    tokens: Iterator[int], tokenizer: PreTrainedTokenizerBase, stop: Sequence[str], on_token: Callable[[int], None]
+) -> Iterator[str]:
+    """Turn token ids into text deltas, ending before the first stop string (held back until disambiguated)."""
+    ids: list[int] = []
+    emitted = 0
+    for token in tokens:
+        on_token(token)
+        ids.append(token)
+        text = tokenizer.decode(ids, skip_special_tokens=True)
+        if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the next token
+            continue
+        cut = min((i for i in (text.find(s) for s in stop) if i >= 0), default=-1)
+        if cut >= 0:
+            if cut > emitted:
+                yield text[emitted:cut]
+            return
+        safe = len(text) - _longest_stop_prefix_suffix(text, stop)
+        if safe > emitted:
+            yield text[emitted:safe]
+            emitted = safe
+    text = tokenizer.decode(ids, skip_special_tokens=True)
+    if len(text) > emitted:
+        yield text[emitted:]
+
+
+def _longest_stop_prefix_suffix(text: str, stop: Sequence[str]) -> int:
+    """Length of the longest suffix of ``text`` that is a proper prefix of a stop string."""
+    best = 0
+    for s in stop:
+        for n in range(min(len(s) - 1, len(text)), best, -1):
+            if text.endswith(s[:n]):
+                best = n
+                break
+    return best
+
+
+class Stopwatch:
+    """Milliseconds since construction; ``mark()`` records the first-token time once."""
+
+    def __init__(self) -> None:
+        self.start = time.perf_counter()
+        self.first: float | None = None
+
+    def elapsed_ms(self) -> float:
+        return (time.perf_counter() - self.start) * 1000
+
+    def mark(self) -> None:
+        if self.first is None:
+            self.first = self.elapsed_ms()

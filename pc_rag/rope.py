@@ -1,0 +1,122 @@
+"""RoPE facts about a model, and re-rotation of cached keys to new positions.
+
+Keys are cached *after* RoPE at absolute positions. Because RoPE is a rotation
+per frequency, ``R(a + d) = R(d) R(a)``: a key cached at position ``a`` moves to
+``a + d`` by rotating it by ``d``. A constant attention scaling (YaRN) factors
+out of that product, so it composes too; RoPE whose frequencies depend on the
+sequence length (dynamic NTK, LongRoPE) does not, and is refused.
+
+This module knows nothing about PML or caches: it maps a model to a ``RopeSpec``
+and rotates tensors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import PreTrainedModel
+
+from pc_rag.errors import UnsupportedModelError
+
+# Architectures whose attention applies RoPE as `x*cos + rotate_half(x)*sin` to keys before caching.
+SUPPORTED_MODEL_TYPES = frozenset(
+    {
+        "llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe",
+        "gemma", "gemma2", "gemma3", "gemma3_text", "phi3", "olmo2", "granite", "smollm3",
+    }
+)  # fmt: skip
+_UNSUPPORTED_REASONS = {
+    "gpt2": "learned absolute position embeddings: a cached module cannot be moved or shared",
+    "opt": "learned absolute position embeddings: a cached module cannot be moved or shared",
+    "gpt_bigcode": "learned absolute position embeddings: a cached module cannot be moved or shared",
+    "bloom": "ALiBi biases are added inside attention, not stored in keys",
+    "mpt": "ALiBi biases are added inside attention, not stored in keys",
+    "falcon": "some Falcon variants use ALiBi or non-standard rotary layouts",
+    "gptj": "interleaved (GPT-J style) rotary layout is not implemented",
+}
+_NON_COMPOSING_ROPE = {
+    "dynamic": "dynamic NTK scaling changes frequencies with the sequence length",
+    "longrope": "LongRoPE switches frequency tables with the sequence length",
+}
+
+
+@dataclass(frozen=True)
+class RopeSpec:
+    """Per-layer RoPE frequencies. ``inv_freq[layer_freq[i]]`` is layer i's table of ``rotary_dim // 2``."""
+
+    inv_freq: tuple[torch.Tensor, ...]
+    layer_freq: tuple[int, ...]
+    head_dim: int
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layer_freq)
+
+    def rotate(self, keys: torch.Tensor, delta: int | torch.Tensor, layer: int) -> torch.Tensor:
+        """Return ``keys`` ([..., S, D], post-RoPE) moved by ``delta`` positions (int or [S])."""
+        return rotate_keys(keys, delta, self.inv_freq[self.layer_freq[layer]])
+
+    def rotate_all(self, keys: torch.Tensor, delta: int | torch.Tensor) -> torch.Tensor:
+        """Rotate stacked keys [L, ..., S, D] by ``delta``, layer by layer (frequencies may differ)."""
+        if delta == 0 if isinstance(delta, int) else bool((delta == 0).all()):
+            return keys
+        out = torch.empty_like(keys)
+        for table_index, table in enumerate(self.inv_freq):
+            layers = [i for i, t in enumerate(self.layer_freq) if t == table_index]
+            idx = torch.tensor(layers, device=keys.device)
+            out[idx] = rotate_keys(keys[idx], delta, table)
+        return out
+
+
+def rotate_keys(keys: torch.Tensor, delta: int | torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    """Rotate post-RoPE keys [..., S, D] by ``delta`` positions with frequencies ``inv_freq`` [R/2].
+
+    Only the first ``R = 2 * len(inv_freq)`` dims rotate (partial rotary); angles are
+    computed in float64 so re-rotation adds no error beyond the cast back.
+    """
+    rotary_dim = 2 * inv_freq.shape[0]
+    delta_t = torch.as_tensor(delta, dtype=torch.float64, device=keys.device).reshape(-1, 1)
+    angles = delta_t * inv_freq.to(device=keys.device, dtype=torch.float64)  # [S or 1, R/2]
+    angles = torch.cat((angles, angles), dim=-1)
+    cos, sin = angles.cos().to(keys.dtype), angles.sin().to(keys.dtype)
+    k_rot, k_pass = keys[..., :rotary_dim], keys[..., rotary_dim:]
+    half = rotary_dim // 2
+    rotated_half = torch.cat((-k_rot[..., half:], k_rot[..., :half]), dim=-1)
+    return torch.cat((k_rot * cos + rotated_half * sin, k_pass), dim=-1)
+
+
+def rope_spec_for(model: PreTrainedModel) -> RopeSpec:
+    """Read the RoPE frequencies a model uses per layer; raise ``UnsupportedModelError`` if we cannot serve it."""
+    config = model.config.get_text_config()
+    model_type = config.model_type
+    if model_type in _UNSUPPORTED_REASONS:
+        msg = f"model type {model_type!r} is not supported: {_UNSUPPORTED_REASONS[model_type]}"
+        raise UnsupportedModelError(msg)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        msg = (
+            f"model type {model_type!r} is not supported: Prompt Cache needs RoPE applied to keys before "
+            f"caching in the standard half-split layout; supported: {', '.join(sorted(SUPPORTED_MODEL_TYPES))}"
+        )
+        raise UnsupportedModelError(msg)
+    rotary = getattr(model.get_decoder(), "rotary_emb", None)
+    if rotary is None:
+        msg = f"model type {model_type!r} has no shared rotary embedding module; cannot re-rotate keys"
+        raise UnsupportedModelError(msg)
+    layer_types = list(getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers)
+    rope_types = rotary.rope_type if isinstance(rotary.rope_type, dict) else None
+    tables: list[torch.Tensor] = []
+    table_of: dict[str, int] = {}
+    for layer_type in dict.fromkeys(layer_types):
+        kind = rope_types[layer_type] if rope_types else rotary.rope_type
+        if kind in _NON_COMPOSING_ROPE:
+            msg = f"RoPE type {kind!r} of {model_type!r} cannot re-rotate cached keys: {_NON_COMPOSING_ROPE[kind]}"
+            raise UnsupportedModelError(msg)
+        inv_freq = getattr(rotary, f"{layer_type}_inv_freq", None) if rope_types else rotary.inv_freq
+        assert inv_freq is not None, f"no inv_freq for layer type {layer_type}"
+        table_of[layer_type] = len(tables)
+        tables.append(inv_freq.detach().to("cpu", torch.float64).clone())
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return RopeSpec(
+        inv_freq=tuple(tables), layer_freq=tuple(table_of[t] for t in layer_types), head_dim=head_dim
+    )

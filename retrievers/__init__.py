@@ -1,0 +1,3 @@
+"""Retrievers that return prompt-module handles instead of text."""
+
+__all__: list[str] = []

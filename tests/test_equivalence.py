@@ -1,0 +1,143 @@
+"""Cached serving equals a full forward with the equivalent attention mask, on tiny models of several architectures."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pc_rag.assemble import move
+from pc_rag.encode import encode_spans
+from pc_rag.engine import PromptCache
+from pc_rag.model import LoadedModel
+from pc_rag.pml.nodes import Import, Module, Param, Prompt, Role, Scaffold, Schema, Text, Union
+
+from reference import reference_last_logits
+
+DOC = "The Eiffel Tower was completed in 1889 and is 330 metres tall. It stands in Paris."
+OTHER = "Mount Fuji is the highest mountain in Japan, at 3,776 metres, on Honshu island."
+QUESTION = " Question: how tall is the tower? Answer:"
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, rel: float = 1e-4) -> None:
+    err = (actual - expected).abs().max() / expected.abs().max()
+    assert err < rel, f"relative error {err:.2e} >= {rel:.0e}"
+
+
+def test_single_module_equals_plain_forward(tiny_lm: LoadedModel) -> None:
+    pc = PromptCache(tiny_lm)
+    pc.add_schema(Schema("s", (Module("doc", (Text(DOC),)),)))
+    prompt = Prompt("s", (Import("doc"), Text(QUESTION)))
+    cached = pc.generate(prompt, max_new_tokens=1).first_logits
+    ids = pc.full_prompt_ids(prompt)
+    with torch.no_grad():
+        plain = tiny_lm.model(input_ids=torch.tensor([ids])).logits[0, -1]
+    assert_close(cached, plain)
+
+
+RICH = Schema(
+    "rich",
+    (
+        Text("You answer questions about places."),
+        Module("plan", (Text("Plan a visit of "), Param("days", 4), Text(" days to the sights."))),
+        Union((Module("paris", (Text(DOC),)), Module("fuji", (Text(OTHER),)))),
+        Module("outer", (Text("Outer text "), Module("inner", (Text("inner text"),)), Text(" outer tail."))),
+        Scaffold("pair", (Module("a", (Text("Alpha knows beta."),)), Module("b", (Text("Beta knows alpha."),)))),
+        Text(" Be brief."),
+    ),
+)
+
+PROMPTS = {
+    "modules+param": Prompt("rich", (Import("plan", (("days", "three"),)), Import("paris"), Text(QUESTION))),
+    "other-union-member": Prompt("rich", (Import("fuji"), Text(QUESTION))),
+    "nested": Prompt("rich", (Import("outer", children=(Import("inner"),)), Text(QUESTION))),
+    "scaffold-joint": Prompt("rich", (Import("a"), Import("b"), Text(QUESTION))),
+    "scaffold-partial": Prompt("rich", (Import("a"), Import("paris"), Text(QUESTION))),
+}
+
+
+@pytest.mark.parametrize("case", sorted(PROMPTS))
+def test_modules_equal_masked_full_forward(tiny_lm: LoadedModel, case: str) -> None:
+    pc = PromptCache(tiny_lm)
+    pc.add_schema(RICH)
+    prompt = PROMPTS[case]
+    cached = pc.generate(prompt, max_new_tokens=1).first_logits
+    assert_close(cached, reference_last_logits(pc, prompt))
+
+
+def test_mask_matters(tiny_lm: LoadedModel) -> None:
+    """Guard against a vacuous reference: splicing differs from an unmasked forward when modules are separate."""
+    pc = PromptCache(tiny_lm)
+    pc.add_schema(RICH)
+    prompt = PROMPTS["modules+param"]
+    cached = pc.generate(prompt, max_new_tokens=1).first_logits
+    with torch.no_grad():
+        plain = tiny_lm.model(input_ids=torch.tensor([pc.full_prompt_ids(prompt)])).logits[0, -1]
+    err = (cached - plain).abs().max() / plain.abs().max()
+    assert err > 1e-3
+
+
+@pytest.mark.parametrize("delta", [7, 300, -5])
+def test_rerotated_module_equals_direct_encoding(tiny_lm: LoadedModel, delta: int) -> None:
+    ids = tiny_lm.tokenizer(DOC, add_special_tokens=False)["input_ids"]
+    start = 40
+    at_start, at_moved = encode_spans(
+        tiny_lm.model,
+        [(ids, range(start, start + len(ids))), (ids, range(start + delta, start + delta + len(ids)))],
+    )
+    moved = move(at_start, tiny_lm.rope, delta)
+    assert torch.equal(moved.positions, at_moved.positions)
+    assert_close(moved.keys, at_moved.keys, rel=1e-5)
+    assert_close(moved.values, at_moved.values, rel=1e-5)
+
+
+def test_positions_follow_schema(tokenizer) -> None:
+    from pc_rag.layout import layout_schema
+
+    def tokenize(text: str) -> list[int]:
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    layout = layout_schema(RICH, tokenize, wrappers=lambda: pytest.fail("no roles here"))
+    spans = layout.spans
+    n = {name: len(s.token_ids) for name, s in spans.items()}
+    head = n["#text0"]
+    plan_len = n["plan"] + 4
+    assert spans["plan"].start == head and spans["plan"].end == head + plan_len
+    assert spans["plan"].params["days"] == (head + len(tokenize("Plan a visit of ")), 4)
+    assert spans["paris"].start == spans["fuji"].start == head + plan_len  # union members share a start
+    union_end = head + plan_len + max(n["paris"], n["fuji"])  # the union is as long as its longest member
+    assert spans["outer"].start == union_end
+    assert spans["inner"].start == union_end + len(tokenize("Outer text "))
+    assert spans["a"].start == spans["outer"].end and spans["b"].start == spans["a"].end
+    assert spans["#text1"].start == spans["b"].end and layout.length == spans["#text1"].end
+    # a param's reserved slots are skipped by the module's own tokens
+    days_start, days_len = spans["plan"].params["days"]
+    assert days_start + days_len == spans["plan"].positions[len(tokenize("Plan a visit of "))]
+
+
+def test_arguments_and_text_land_where_the_schema_says(tiny_lm: LoadedModel) -> None:
+    pc = PromptCache(tiny_lm)
+    layout = pc.add_schema(RICH).layout
+    plan = pc.plan(PROMPTS["modules+param"])
+    days_start, _ = layout.spans["plan"].params["days"]
+    arg_len = len(pc.tokenize("three"))
+    assert plan.new_positions[:arg_len] == tuple(range(days_start, days_start + arg_len))
+    # text after the last import follows every included span, the trailing anonymous text included
+    question = plan.new_positions[arg_len:]
+    assert question == tuple(range(layout.spans["#text1"].end, layout.spans["#text1"].end + len(question)))
+    assert plan.next_position == question[-1] + 1
+
+
+def test_roles_render_through_chat_template(tiny_lm: LoadedModel) -> None:
+    pc = PromptCache(tiny_lm)
+    schema = Schema("chat", (Role("system", (Text("Be terse."),)), Module("doc", (Text(DOC),))))
+    pc.add_schema(schema)
+    prompt = Prompt("chat", (Import("doc"), Role("user", (Text("How tall?"),))))
+    rendered = tiny_lm.tokenizer.decode(pc.full_prompt_ids(prompt))
+    expected = tiny_lm.tokenizer.apply_chat_template(
+        [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "How tall?"}],
+        tokenize=False,
+        add_generation_prompt=True,
+    )
+    assert rendered == expected.replace("<|im_end|>\n<|im_start|>user", f"<|im_end|>\n{DOC}<|im_start|>user")
+    cached = pc.generate(prompt, max_new_tokens=1).first_logits
+    assert_close(cached, reference_last_logits(pc, prompt))
