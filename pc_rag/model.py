@@ -58,12 +58,20 @@ class LoadedModel:
         return int(self.model.config.get_text_config().max_position_embeddings)
 
     def fingerprint(self) -> str:
-        """A stable hash of the config, dtype and vocabulary: KV is only valid for the same fingerprint."""
+        """A stable hash of config, dtype, vocabulary and weights: KV is only valid for the same fingerprint.
+
+        Weights enter through every 1-D parameter (norms, biases) and the first
+        embedding rows: cheap, and different for any two trained checkpoints.
+        """
         cfg = self.model.config.get_text_config().to_json_string(use_diff=False)
-        vocab = sorted(self.tokenizer.get_vocab().items())
         digest = hashlib.sha256(cfg.encode())
         digest.update(str(self.dtype).encode())
-        digest.update(repr(vocab).encode())
+        digest.update(repr(sorted(self.tokenizer.get_vocab().items())).encode())
+        for name, param in self.model.named_parameters():
+            sample = param if param.dim() == 1 else param.reshape(-1)[:4096] if "embed" in name else None
+            if sample is not None:
+                digest.update(name.encode())
+                digest.update(sample.detach().float().cpu().numpy().tobytes())
         return digest.hexdigest()[:16]
 
 

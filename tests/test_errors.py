@@ -1,0 +1,91 @@
+"""User errors get a precise pc-rag exception, never a traceback from deep inside torch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig
+
+from pc_rag.engine import PromptCache
+from pc_rag.errors import (
+    ArgumentTooLongError,
+    ContextLengthError,
+    ModelLoadError,
+    PMLError,
+    UnknownModuleError,
+    UnknownSchemaError,
+    UnsupportedModelError,
+)
+from pc_rag.model import load_model
+from pc_rag.pml.nodes import Import, Module, Param, Prompt, Schema, Text
+from pc_rag.rope import rope_spec_for
+
+from conftest import tiny_model
+
+
+@pytest.fixture(scope="module")
+def pc(tokenizer) -> PromptCache:
+    cache = PromptCache(tiny_model("llama", tokenizer))
+    cache.add_schema(Schema("s", (Module("plan", (Text("Trip of "), Param("days", 2), Text(" days."))),)))
+    return cache
+
+
+def test_learned_positions_are_refused_with_a_reason() -> None:
+    model = AutoModelForCausalLM.from_config(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64))
+    with pytest.raises(UnsupportedModelError, match="absolute position"):
+        rope_spec_for(model)
+
+
+def test_rope_that_does_not_compose_is_refused() -> None:
+    config = LlamaConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, vocab_size=64,
+        rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0},
+    )  # fmt: skip
+    with pytest.raises(UnsupportedModelError, match="dynamic"):
+        rope_spec_for(AutoModelForCausalLM.from_config(config))
+
+
+def test_unknown_model_is_a_load_error(tmp_path) -> None:
+    with pytest.raises(ModelLoadError, match="never downloads"):
+        load_model("no-such-org/no-such-model")
+    with pytest.raises(ModelLoadError, match="not found"):
+        load_model(str(tmp_path / "missing.gguf"))
+    with pytest.raises(ModelLoadError, match="could not load"):
+        load_model(str(tmp_path))  # a directory without a model
+
+
+def test_unknown_schema(pc: PromptCache) -> None:
+    with pytest.raises(UnknownSchemaError, match="not registered"):
+        pc.generate(Prompt("nope", (Text("hi"),)))
+
+
+def test_unknown_module(pc: PromptCache) -> None:
+    with pytest.raises(UnknownModuleError):
+        pc.generate(Prompt("s", (Import("missing"), Text("hi"))))
+
+
+def test_argument_longer_than_param(pc: PromptCache) -> None:
+    with pytest.raises(ArgumentTooLongError) as info:
+        pc.generate(Prompt("s", (Import("plan", (("days", "three or four or five"),)), Text("?"))))
+    assert info.value.name == "days"
+
+
+def test_prompt_without_uncached_text(pc: PromptCache) -> None:
+    with pytest.raises(PMLError, match="uncached text"):
+        pc.generate(Prompt("s", (Import("plan"),)))
+
+
+def test_prompt_beyond_context_window(pc: PromptCache) -> None:
+    with pytest.raises(ContextLengthError):
+        pc.generate(Prompt("s", (Import("plan"), Text(" word" * 5000))))
+    with pytest.raises(ContextLengthError):
+        pc.generate_ids(list(range(100, 5100)))
+
+
+def test_kv_is_never_reused_across_models(tokenizer) -> None:
+    a, b = tiny_model("llama", tokenizer), tiny_model("qwen2", tokenizer)
+    assert a.fingerprint() != b.fingerprint()
+    assert a.fingerprint() == tiny_model("llama", tokenizer).fingerprint()
+    with torch.no_grad():
+        next(b.model.parameters()).mul_(1.5)  # same config, other weights: another fingerprint
+    assert b.fingerprint() != tiny_model("qwen2", tokenizer).fingerprint()
