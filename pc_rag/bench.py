@@ -83,7 +83,7 @@ def _build_schema(pc: PromptCache, target: int) -> tuple[str, list[str]]:
 
 def _floor_ms(pc: PromptCache, prompt: object) -> float:
     """The forward of the uncached tokens alone on an already spliced cache, plus picking the token."""
-    request = pc._request(prompt)  # noqa: SLF001 - the floor needs the same plan the engine serves
+    request = pc._request(prompt)
     buffer, length = splice(pc.lm.model, pc.lm.rope, [(kv, 0) for kv in request.parts], len(request.plan.new_ids) + 1)
     start = time.perf_counter()
     logits, _ = forward_new_tokens(pc.lm.model, buffer, length, request.plan.new_ids, request.plan.new_positions)

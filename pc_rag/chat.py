@@ -47,7 +47,7 @@ def chat_wrappers(tokenizer: PreTrainedTokenizerBase) -> ChatWrappers:
         with_system = render(["system"])
         up_to_user = render(["system", "user"])
         prompt = render(["system", "user"], generation=True)
-    except Exception as e:  # noqa: BLE001 - jinja templates raise arbitrary exceptions
+    except Exception as e:
         msg = f"the chat template cannot render a system/user/assistant conversation: {e}"
         raise PMLError(msg) from e
     parts = _split(conversation)

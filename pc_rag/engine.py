@@ -138,11 +138,17 @@ class PromptCache:
         ids = [t for m in members for t in m.token_ids]
         positions = [p for m in members for p in m.positions]
         prefix = isolated.get(layout.prefix) if layout.prefix else None
-        joint = encode_spans(self.lm.model, [(ids, positions)], None if prefix is None else prefix.to(self.lm.device, self.lm.dtype))[0]
+        joint = encode_spans(
+            self.lm.model, [(ids, positions)], None if prefix is None else prefix.to(self.lm.device, self.lm.dtype)
+        )[0]
         out, offset = {}, 0
         for m in members:
             n = len(m.token_ids)
-            out[m.name] = SpanKV(joint.keys[:, :, offset : offset + n], joint.values[:, :, offset : offset + n], joint.positions[offset : offset + n]).to(self.kv_device, self.kv_dtype)
+            out[m.name] = SpanKV(
+                joint.keys[:, :, offset : offset + n],
+                joint.values[:, :, offset : offset + n],
+                joint.positions[offset : offset + n],
+            ).to(self.kv_device, self.kv_dtype)
             offset += n
         return out
 
@@ -179,11 +185,17 @@ class PromptCache:
         """The plain token sequence equivalent to ``prompt``: spans and computed tokens in position order."""
         request = self._request(prompt)
         encoded = self.schemas[(parse_prompt(prompt) if isinstance(prompt, str) else prompt).schema]
-        tokens = [(p, i) for n in request.plan.spans for i, p in zip(encoded.layout.spans[n].token_ids, encoded.layout.spans[n].positions, strict=True)]
+        tokens = [
+            (p, i)
+            for n in request.plan.spans
+            for i, p in zip(encoded.layout.spans[n].token_ids, encoded.layout.spans[n].positions, strict=True)
+        ]
         tokens += list(zip(request.plan.new_positions, request.plan.new_ids, strict=True))
         return [i for _, i in sorted(tokens, key=lambda t: t[0])]
 
-    def generate(self, prompt: Prompt | str, params: SamplingParams | None = None, **kwargs: object) -> GenerationResult:
+    def generate(
+        self, prompt: Prompt | str, params: SamplingParams | None = None, **kwargs: object
+    ) -> GenerationResult:
         """Serve ``prompt`` from cached modules and return the reply with timings."""
         return _collect(self._serve(prompt, params, **kwargs))
 
@@ -191,7 +203,9 @@ class PromptCache:
         """Stream the reply: iterate for text deltas; ``.result`` holds the ``GenerationResult`` afterwards."""
         return ReplyStream(self._serve(prompt, params, **kwargs))
 
-    def _serve(self, prompt: Prompt | str, params: SamplingParams | None, **kwargs: object) -> Iterator[str | GenerationResult]:
+    def _serve(
+        self, prompt: Prompt | str, params: SamplingParams | None, **kwargs: object
+    ) -> Iterator[str | GenerationResult]:
         params = replace(params or SamplingParams(), **kwargs)  # type: ignore[arg-type]
         watch = Stopwatch()
         request = self._request(prompt)
@@ -202,7 +216,9 @@ class PromptCache:
         tokens = decode_tokens(self.lm.model, cache, logits, plan.next_position, params, self._stop_ids)
         yield from _run(tokens, self.lm.tokenizer, params, watch, logits, request.cached_tokens, len(plan.new_ids))
 
-    def generate_full(self, prompt: Prompt | str, params: SamplingParams | None = None, **kwargs: object) -> GenerationResult:
+    def generate_full(
+        self, prompt: Prompt | str, params: SamplingParams | None = None, **kwargs: object
+    ) -> GenerationResult:
         """Baseline: full prefill of the same tokens (contiguous positions), then the same decoding."""
         return _collect(self._serve_ids(self.full_prompt_ids(prompt), params, **kwargs))
 
@@ -214,7 +230,9 @@ class PromptCache:
         """Full prefill of plain token ids, then decoding."""
         return _collect(self._serve_ids(ids, params, **kwargs))
 
-    def _serve_ids(self, ids: list[int], params: SamplingParams | None, **kwargs: object) -> Iterator[str | GenerationResult]:
+    def _serve_ids(
+        self, ids: list[int], params: SamplingParams | None, **kwargs: object
+    ) -> Iterator[str | GenerationResult]:
         params = replace(params or SamplingParams(), **kwargs)  # type: ignore[arg-type]
         if len(ids) + 1 > self.lm.max_positions:
             msg = f"prompt of {len(ids)} tokens exceeds the model's {self.lm.max_positions} positions"

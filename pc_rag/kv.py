@@ -54,7 +54,9 @@ class PreallocatedLayer(DynamicLayer):
         self.keys = self._kbuf[:, :, : self._length]
         self.values = self._vbuf[:, :, : self._length]
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         n = key_states.shape[-2]
         if self._length + n > self._kbuf.shape[-2]:
             grow = max(self._length + n, 2 * self._kbuf.shape[-2])

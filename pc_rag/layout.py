@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from pc_rag.chat import ChatWrappers
-from pc_rag.pml.nodes import Module, Param, Role, Schema, SchemaNode, Scaffold, Text, Union
+from pc_rag.pml.nodes import Module, Param, Role, Scaffold, Schema, SchemaNode, Text, Union
 
 Tokenize = Callable[[str], list[int]]
 
@@ -140,7 +140,9 @@ class _Builder:
         self.spans.insert(len(self.spans) - len(children), span)
 
 
-def layout_schema(schema: Schema, tokenize: Tokenize, wrappers: Callable[[], ChatWrappers], bos: Sequence[int] = ()) -> SchemaLayout:
+def layout_schema(
+    schema: Schema, tokenize: Tokenize, wrappers: Callable[[], ChatWrappers], bos: Sequence[int] = ()
+) -> SchemaLayout:
     """Tokenize ``schema`` span by span and assign absolute positions.
 
     ``bos`` tokens (the tokenizer's leading special tokens) open the first
@@ -151,12 +153,21 @@ def layout_schema(schema: Schema, tokenize: Tokenize, wrappers: Callable[[], Cha
         builder.top(child)
     builder.close_anonymous()
     spans = builder.spans
-    if bos and not (spans and spans[0].anonymous and spans[0].start == 0 and spans[0].token_ids[: len(bos)] == tuple(bos)):
+    if bos and not (
+        spans and spans[0].anonymous and spans[0].start == 0 and spans[0].token_ids[: len(bos)] == tuple(bos)
+    ):
         spans = [_shift(s, len(bos)) for s in spans]
         head = Span("#bos", tuple(bos), tuple(range(len(bos))), 0, len(bos), anonymous=True)
         if spans and spans[0].anonymous and spans[0].start == len(bos):
             first = spans.pop(0)
-            head = Span(first.name, head.token_ids + first.token_ids, head.positions + first.positions, 0, first.end, anonymous=True)
+            head = Span(
+                first.name,
+                head.token_ids + first.token_ids,
+                head.positions + first.positions,
+                0,
+                first.end,
+                anonymous=True,
+            )
         spans.insert(0, head)
     by_name = {s.name: s for s in sorted(spans, key=lambda s: s.start)}
     prefix = spans[0].name if spans and spans[0].anonymous and spans[0].start == 0 else None

@@ -117,6 +117,4 @@ def rope_spec_for(model: PreTrainedModel) -> RopeSpec:
         table_of[layer_type] = len(tables)
         tables.append(inv_freq.detach().to("cpu", torch.float64).clone())
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    return RopeSpec(
-        inv_freq=tuple(tables), layer_freq=tuple(table_of[t] for t in layer_types), head_dim=head_dim
-    )
+    return RopeSpec(inv_freq=tuple(tables), layer_freq=tuple(table_of[t] for t in layer_types), head_dim=head_dim)

@@ -43,15 +43,22 @@ TINY_CONFIGS = {
     "llama3-scaled": lambda: LlamaConfig(
         **_COMMON,
         rope_parameters={
-            "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0, "original_max_position_embeddings": 512,
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 512,
         },
-    ),  # fmt: skip
+    ),
     "qwen2": lambda: Qwen2Config(**_COMMON),
     "qwen3": lambda: Qwen3Config(**_COMMON, head_dim=16),
     "mistral": lambda: MistralConfig(**_COMMON, sliding_window=None),
     "gemma3": lambda: Gemma3TextConfig(
-        **_COMMON, head_dim=16, sliding_window=24, layer_types=["sliding_attention", "sliding_attention", "full_attention"]
+        **_COMMON,
+        head_dim=16,
+        sliding_window=24,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"],
     ),
 }
 

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from reference import reference_last_logits
 
 from pc_rag.assemble import move
 from pc_rag.encode import encode_spans
 from pc_rag.engine import PromptCache
 from pc_rag.model import LoadedModel
 from pc_rag.pml.nodes import Import, Module, Param, Prompt, Role, Scaffold, Schema, Text, Union
-
-from reference import reference_last_logits
 
 DOC = "The Eiffel Tower was completed in 1889 and is 330 metres tall. It stands in Paris."
 OTHER = "Mount Fuji is the highest mountain in Japan, at 3,776 metres, on Honshu island."

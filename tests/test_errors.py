@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import tiny_model
 from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig
 
 from pc_rag.engine import PromptCache
@@ -19,8 +20,6 @@ from pc_rag.errors import (
 from pc_rag.model import load_model
 from pc_rag.pml.nodes import Import, Module, Param, Prompt, Schema, Text
 from pc_rag.rope import rope_spec_for
-
-from conftest import tiny_model
 
 
 @pytest.fixture(scope="module")

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import tiny_model
 
 from pc_rag.engine import PromptCache
 from pc_rag.generate import SamplingParams, sample, stream_text
 from pc_rag.model import LoadedModel
 from pc_rag.pml.nodes import Import, Module, Prompt, Schema, Text
-
-from conftest import tiny_model
 
 
 @pytest.fixture(scope="module")
@@ -110,5 +109,8 @@ def test_kv_dtype_and_device_options(tokenizer) -> None:
     prompt = Prompt("s", (Import("doc"), Text(" Where?")))
     exact = PromptCache(lm)
     exact.add_schema(Schema("s", (Module("doc", (Text("Paris is in France."),)),)))
-    low, high = pc.generate(prompt, max_new_tokens=1).first_logits, exact.generate(prompt, max_new_tokens=1).first_logits
+    low, high = (
+        pc.generate(prompt, max_new_tokens=1).first_logits,
+        exact.generate(prompt, max_new_tokens=1).first_logits,
+    )
     assert (low - high).abs().max() / high.abs().max() < 2e-2

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from reference import reference_last_logits
 
 from pc_rag.engine import PromptCache
 from pc_rag.model import LoadedModel
 from pc_rag.pml.nodes import Import, Module, Param, Prompt, Role, Schema, Text, Union
-
-from reference import reference_last_logits
 
 pytestmark = pytest.mark.real_model
 
