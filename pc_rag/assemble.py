@@ -12,23 +12,16 @@ from collections.abc import Sequence
 import torch
 from transformers import PreTrainedModel
 
-from pc_rag.kv import KVBuffer, SpanKV, allocate
+from pc_rag.kv import KVBuffer, SpanKV
 from pc_rag.rope import RopeSpec
 
 
-def splice(
-    model: PreTrainedModel,
-    rope: RopeSpec,
-    parts: Sequence[tuple[SpanKV, int]],
-    extra_capacity: int,
-) -> tuple[KVBuffer, int]:
-    """Copy ``parts`` (span, position delta) one after another into a new buffer; return it and the filled length.
+def splice(buffer: KVBuffer, rope: RopeSpec, parts: Sequence[tuple[SpanKV, int]]) -> int:
+    """Copy ``parts`` (span, position delta) one after another into ``buffer``; return the filled length.
 
     A span with ``delta != 0`` has its keys rotated by ``delta`` positions, i.e. it
     lands at ``positions + delta``; values are position-free and copied as is.
     """
-    total = sum(kv.length for kv, _ in parts)
-    buffer = allocate(model, total + extra_capacity)
     offset = 0
     for kv, delta in parts:
         end = offset + kv.length
@@ -37,7 +30,7 @@ def splice(
         buffer.keys[:, 0, :, offset:end] = rope.rotate_all(keys, delta) if delta else keys
         buffer.values[:, 0, :, offset:end] = values
         offset = end
-    return buffer, total
+    return offset
 
 
 def move(kv: SpanKV, rope: RopeSpec, delta: int) -> SpanKV:

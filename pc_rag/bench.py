@@ -18,6 +18,7 @@ from pathlib import Path
 
 from pc_rag.assemble import forward_new_tokens, splice
 from pc_rag.engine import PromptCache
+from pc_rag.kv import allocate
 from pc_rag.pml.builder import PromptBuilder, SchemaBuilder
 from pc_rag.sample import sample_questions
 
@@ -67,15 +68,14 @@ def _build_schema(pc: PromptCache, target: int) -> tuple[str, list[str]]:
     name = f"bench{target}"
     builder = SchemaBuilder(name).system("You answer questions about the passages you are given.")
     modules = []
-    budget = target - len(pc.tokenize(QUESTION)) - 40  # chat wrappers and system turn
-    used = 0
+    budget = target - len(pc.tokenize(QUESTION)) - 30  # chat wrappers and system turn
     passages = [p for q in sample_questions() for p in q.passages]
     for i, (title, text) in enumerate(passages):
-        body = f"Passage {i + 1}:\n{title}\n{text}\n\n"
-        used += len(pc.tokenize(body))
-        if used > budget:
+        ids = pc.tokenize(f"Passage {i + 1}:\n{title}\n{text}\n\n")[:budget]  # the last one is cut to fit
+        if not ids:
             break
-        builder.module(f"p{i}", body)
+        budget -= len(ids)
+        builder.module(f"p{i}", pc.lm.tokenizer.decode(ids))
         modules.append(f"p{i}")
     pc.add_schema(builder.build())
     return name, modules
@@ -84,7 +84,8 @@ def _build_schema(pc: PromptCache, target: int) -> tuple[str, list[str]]:
 def _floor_ms(pc: PromptCache, prompt: object) -> float:
     """The forward of the uncached tokens alone on an already spliced cache, plus picking the token."""
     request = pc._request(prompt)
-    buffer, length = splice(pc.lm.model, pc.lm.rope, [(kv, 0) for kv in request.parts], len(request.plan.new_ids) + 1)
+    buffer = allocate(pc.lm.model, request.cached_tokens + len(request.plan.new_ids) + 1)
+    length = splice(buffer, pc.lm.rope, [(kv, 0) for kv in request.parts])
     start = time.perf_counter()
     logits, _ = forward_new_tokens(pc.lm.model, buffer, length, request.plan.new_ids, request.plan.new_positions)
     int(logits.argmax())

@@ -30,7 +30,7 @@ from pc_rag.generate import (
     eos_ids,
     stream_text,
 )
-from pc_rag.kv import SpanKV, allocate, kv_shape
+from pc_rag.kv import BufferPool, SpanKV, kv_shape
 from pc_rag.layout import SchemaLayout, layout_schema
 from pc_rag.model import LoadedModel
 from pc_rag.plan import ServePlan, plan_prompt
@@ -86,6 +86,7 @@ class PromptCache:
         self.kv_dtype = kv_dtype or lm.dtype
         self.schemas: dict[str, EncodedSchema] = {}
         self._stop_ids = eos_ids(lm.model, lm.tokenizer)
+        self._buffers = BufferPool(lm.model)
 
     @cached_property
     def wrappers(self) -> ChatWrappers:
@@ -210,11 +211,14 @@ class PromptCache:
         watch = Stopwatch()
         request = self._request(prompt)
         plan = request.plan
-        extra = len(plan.new_ids) + params.max_new_tokens
-        buffer, length = splice(self.lm.model, self.lm.rope, [(kv, 0) for kv in request.parts], extra)
-        logits, cache = forward_new_tokens(self.lm.model, buffer, length, plan.new_ids, plan.new_positions)
-        tokens = decode_tokens(self.lm.model, cache, logits, plan.next_position, params, self._stop_ids)
-        yield from _run(tokens, self.lm.tokenizer, params, watch, logits, request.cached_tokens, len(plan.new_ids))
+        buffer = self._buffers.acquire(request.cached_tokens + len(plan.new_ids) + params.max_new_tokens)
+        try:
+            length = splice(buffer, self.lm.rope, [(kv, 0) for kv in request.parts])
+            logits, cache = forward_new_tokens(self.lm.model, buffer, length, plan.new_ids, plan.new_positions)
+            tokens = decode_tokens(self.lm.model, cache, logits, plan.next_position, params, self._stop_ids)
+            yield from _run(tokens, self.lm.tokenizer, params, watch, logits, request.cached_tokens, len(plan.new_ids))
+        finally:
+            self._buffers.release(buffer)
 
     def generate_full(
         self, prompt: Prompt | str, params: SamplingParams | None = None, **kwargs: object
@@ -238,10 +242,13 @@ class PromptCache:
             msg = f"prompt of {len(ids)} tokens exceeds the model's {self.lm.max_positions} positions"
             raise ContextLengthError(msg)
         watch = Stopwatch()
-        buffer = allocate(self.lm.model, len(ids) + params.max_new_tokens)
-        logits, cache = forward_new_tokens(self.lm.model, buffer, 0, ids, range(len(ids)))
-        tokens = decode_tokens(self.lm.model, cache, logits, len(ids), params, self._stop_ids)
-        yield from _run(tokens, self.lm.tokenizer, params, watch, logits, 0, len(ids))
+        buffer = self._buffers.acquire(len(ids) + params.max_new_tokens)
+        try:
+            logits, cache = forward_new_tokens(self.lm.model, buffer, 0, ids, range(len(ids)))
+            tokens = decode_tokens(self.lm.model, cache, logits, len(ids), params, self._stop_ids)
+            yield from _run(tokens, self.lm.tokenizer, params, watch, logits, 0, len(ids))
+        finally:
+            self._buffers.release(buffer)
 
 
 class ReplyStream:

@@ -9,6 +9,7 @@ module knows nothing about PML or tokenizers.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -112,3 +113,36 @@ def allocate(model: PreTrainedModel, capacity: int, batch: int = 1) -> KVBuffer:
         keys=torch.empty(shape, dtype=param.dtype, device=param.device),
         values=torch.empty(shape, dtype=param.dtype, device=param.device),
     )
+
+
+class BufferPool:
+    """Reuses KV buffers across requests.
+
+    A fresh multi-hundred-MB buffer page-faults on first touch, which costs more
+    than splicing into it; a buffer in use by a live request is never handed out.
+    """
+
+    def __init__(self, model: PreTrainedModel, keep: int = 2, granularity: int = 1024) -> None:
+        self.model = model
+        self.keep = keep
+        self.granularity = granularity
+        self._free: list[KVBuffer] = []
+        self._lock = threading.Lock()
+
+    def acquire(self, capacity: int) -> KVBuffer:
+        """A buffer for at least ``capacity`` tokens (batch 1), reused when one is free."""
+        with self._lock:
+            fitting = [b for b in self._free if b.keys.shape[-2] >= capacity]
+            if fitting:
+                buffer = min(fitting, key=lambda b: b.keys.shape[-2])
+                self._free.remove(buffer)
+                return buffer
+        rounded = -(-capacity // self.granularity) * self.granularity
+        return allocate(self.model, rounded)
+
+    def release(self, buffer: KVBuffer) -> None:
+        """Return ``buffer`` for reuse; the smallest spare is dropped beyond ``keep``."""
+        with self._lock:
+            self._free.append(buffer)
+            self._free.sort(key=lambda b: b.keys.shape[-2], reverse=True)
+            del self._free[self.keep :]

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from pc_rag.attention import ATTENTION
 from pc_rag.errors import ModelLoadError
 from pc_rag.rope import RopeSpec, rope_spec_for
 
@@ -98,7 +99,7 @@ def load_model(
     try:
         tokenizer = AutoTokenizer.from_pretrained(directory)
         model = AutoModelForCausalLM.from_pretrained(
-            directory, dtype=dtype, attn_implementation="sdpa", low_cpu_mem_usage=True
+            directory, dtype=dtype, attn_implementation=ATTENTION, low_cpu_mem_usage=True
         )
     except (OSError, ValueError) as e:
         msg = f"could not load model {name_or_path!r} from {directory}: {e}"

@@ -24,6 +24,7 @@ from transformers import (
     Qwen3Config,
 )
 
+from pc_rag.attention import ATTENTION
 from pc_rag.model import DEFAULT_MODEL, LoadedModel, _resolve, load_model
 from pc_rag.rope import rope_spec_for
 
@@ -72,7 +73,7 @@ def tokenizer() -> PreTrainedTokenizerBase:
 def tiny_model(arch: str, tokenizer: PreTrainedTokenizerBase) -> LoadedModel:
     torch.manual_seed(0)
     config = TINY_CONFIGS[arch]()
-    config._attn_implementation = "sdpa"
+    config._attn_implementation = ATTENTION
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     with torch.no_grad():  # random init is tiny; widen it so logits differ visibly between contexts
         for p in model.parameters():
