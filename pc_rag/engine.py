@@ -15,7 +15,6 @@ from functools import cached_property
 from typing import Literal
 
 import torch
-from transformers import PreTrainedTokenizerBase
 
 from pc_rag.assemble import forward_new_tokens, splice
 from pc_rag.chat import ChatWrappers, chat_wrappers
@@ -23,12 +22,13 @@ from pc_rag.encode import encode_spans
 from pc_rag.errors import ContextLengthError, UnknownSchemaError
 from pc_rag.generate import (
     GenerationResult,
-    GenerationStats,
+    ReplyStream,
     SamplingParams,
     Stopwatch,
+    collect,
     decode_tokens,
     eos_ids,
-    stream_text,
+    run_generation,
 )
 from pc_rag.kv import BufferPool, SpanKV, kv_shape
 from pc_rag.layout import SchemaLayout, layout_schema
@@ -198,7 +198,7 @@ class PromptCache:
         self, prompt: Prompt | str, params: SamplingParams | None = None, **kwargs: object
     ) -> GenerationResult:
         """Serve ``prompt`` from cached modules and return the reply with timings."""
-        return _collect(self._serve(prompt, params, **kwargs))
+        return collect(self._serve(prompt, params, **kwargs))
 
     def stream(self, prompt: Prompt | str, params: SamplingParams | None = None, **kwargs: object) -> ReplyStream:
         """Stream the reply: iterate for text deltas; ``.result`` holds the ``GenerationResult`` afterwards."""
@@ -216,7 +216,9 @@ class PromptCache:
             length = splice(buffer, self.lm.rope, [(kv, 0) for kv in request.parts])
             logits, cache = forward_new_tokens(self.lm.model, buffer, length, plan.new_ids, plan.new_positions)
             tokens = decode_tokens(self.lm.model, cache, logits, plan.next_position, params, self._stop_ids)
-            yield from _run(tokens, self.lm.tokenizer, params, watch, logits, request.cached_tokens, len(plan.new_ids))
+            yield from run_generation(
+                tokens, self.lm.tokenizer, params, watch, logits, request.cached_tokens, len(plan.new_ids)
+            )
         finally:
             self._buffers.release(buffer)
 
@@ -224,7 +226,7 @@ class PromptCache:
         self, prompt: Prompt | str, params: SamplingParams | None = None, **kwargs: object
     ) -> GenerationResult:
         """Baseline: full prefill of the same tokens (contiguous positions), then the same decoding."""
-        return _collect(self._serve_ids(self.full_prompt_ids(prompt), params, **kwargs))
+        return collect(self._serve_ids(self.full_prompt_ids(prompt), params, **kwargs))
 
     def stream_ids(self, ids: list[int], params: SamplingParams | None = None, **kwargs: object) -> ReplyStream:
         """Full prefill of plain token ids (no cache reuse), then decoding; streams like ``stream``."""
@@ -232,7 +234,7 @@ class PromptCache:
 
     def generate_ids(self, ids: list[int], params: SamplingParams | None = None, **kwargs: object) -> GenerationResult:
         """Full prefill of plain token ids, then decoding."""
-        return _collect(self._serve_ids(ids, params, **kwargs))
+        return collect(self._serve_ids(ids, params, **kwargs))
 
     def _serve_ids(
         self, ids: list[int], params: SamplingParams | None, **kwargs: object
@@ -246,54 +248,9 @@ class PromptCache:
         try:
             logits, cache = forward_new_tokens(self.lm.model, buffer, 0, ids, range(len(ids)))
             tokens = decode_tokens(self.lm.model, cache, logits, len(ids), params, self._stop_ids)
-            yield from _run(tokens, self.lm.tokenizer, params, watch, logits, 0, len(ids))
+            yield from run_generation(tokens, self.lm.tokenizer, params, watch, logits, 0, len(ids))
         finally:
             self._buffers.release(buffer)
-
-
-class ReplyStream:
-    """Text deltas of a reply as they are decoded; ``result`` is set when iteration ends."""
-
-    def __init__(self, items: Iterator[str | GenerationResult]) -> None:
-        self._items = items
-        self.result: GenerationResult | None = None
-
-    def __iter__(self) -> Iterator[str]:
-        for item in self._items:
-            if isinstance(item, GenerationResult):
-                self.result = item
-            else:
-                yield item
-
-
-def _run(
-    tokens: Iterator[int],
-    tokenizer: PreTrainedTokenizerBase,
-    params: SamplingParams,
-    watch: Stopwatch,
-    logits: torch.Tensor,
-    cached: int,
-    computed: int,
-) -> Iterator[str | GenerationResult]:
-    ids: list[int] = []
-
-    def on_token(token: int) -> None:
-        watch.mark()
-        ids.append(token)
-
-    pieces = []
-    for piece in stream_text(tokens, tokenizer, params.stop, on_token):
-        pieces.append(piece)
-        yield piece
-    total = watch.elapsed_ms()
-    stats = GenerationStats(watch.first if watch.first is not None else total, total, cached, computed, len(ids))
-    yield GenerationResult("".join(pieces), ids, stats, logits.detach().float().cpu())
-
-
-def _collect(stream: Iterator[str | GenerationResult]) -> GenerationResult:
-    *_, result = stream
-    assert isinstance(result, GenerationResult)
-    return result
 
 
 def _empty_kv(lm: LoadedModel, dtype: torch.dtype) -> SpanKV:

@@ -163,3 +163,50 @@ class Stopwatch:
     def mark(self) -> None:
         if self.first is None:
             self.first = self.elapsed_ms()
+
+
+class ReplyStream:
+    """Text deltas of a reply as they are decoded; ``result`` is set when iteration ends."""
+
+    def __init__(self, items: Iterator[str | GenerationResult]) -> None:
+        self._items = items
+        self.result: GenerationResult | None = None
+
+    def __iter__(self) -> Iterator[str]:
+        for item in self._items:
+            if isinstance(item, GenerationResult):
+                self.result = item
+            else:
+                yield item
+
+
+def run_generation(
+    tokens: Iterator[int],
+    tokenizer: PreTrainedTokenizerBase,
+    params: SamplingParams,
+    watch: Stopwatch,
+    logits: torch.Tensor,
+    cached: int,
+    computed: int,
+) -> Iterator[str | GenerationResult]:
+    """Drive ``tokens`` to text deltas, timing the first token; end with the ``GenerationResult``."""
+    ids: list[int] = []
+
+    def on_token(token: int) -> None:
+        watch.mark()
+        ids.append(token)
+
+    pieces: list[str] = []
+    for piece in stream_text(tokens, tokenizer, params.stop, on_token):
+        pieces.append(piece)
+        yield piece
+    total = watch.elapsed_ms()
+    stats = GenerationStats(watch.first if watch.first is not None else total, total, cached, computed, len(ids))
+    yield GenerationResult("".join(pieces), ids, stats, logits.detach().float().cpu())
+
+
+def collect(stream: Iterator[str | GenerationResult]) -> GenerationResult:
+    """Exhaust a ``run_generation`` stream and return its result."""
+    *_, result = stream
+    assert isinstance(result, GenerationResult)
+    return result
