@@ -84,7 +84,7 @@ def _grown(buf: torch.Tensor, capacity: int) -> torch.Tensor:
     return out
 
 
-@dataclass
+@dataclass(eq=False)  # identity, not tensor equality: buffers are pooled by identity
 class KVBuffer:
     """One [L, B, H_kv, capacity, D] tensor each for keys and values, and the cache that views it."""
 

@@ -1,0 +1,204 @@
+"""Answer a question from retrieved chunk modules: splice, re-rotate, recover, decode.
+
+Chunks are encoded once at a canonical start position (alone, or after the
+shared preamble). At query time they are laid out one after another after the
+preamble, a schema with no union where every chunk is its own span; their keys
+are re-rotated to those slots, the recovery mode recomputes the tokens it
+chooses, and the question is computed after them. This engine knows nothing
+about retrieval, embeddings or storage: it receives chunks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, replace
+
+import torch
+
+from pc_rag.assemble import forward_new_tokens, splice
+from pc_rag.chat import chat_wrappers
+from pc_rag.encode import encode_spans
+from pc_rag.errors import ContextLengthError, PCRagError
+from pc_rag.generate import (
+    GenerationResult,
+    ReplyStream,
+    SamplingParams,
+    Stopwatch,
+    collect,
+    decode_tokens,
+    eos_ids,
+    run_generation,
+)
+from pc_rag.kv import BufferPool, SpanKV
+from pc_rag.model import LoadedModel
+from pc_rag.rag.modes import MODES, RecoveryMode
+from pc_rag.rag.prompt import RagPrompt
+from pc_rag.rag.recompute import recompute_and_prefill
+from pc_rag.rag.select import edge_indices, kv_deviation, top_indices
+
+_ENCODE_BATCH = 8
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """A chunk's text, tokens and KV at its canonical positions; ``conditioned`` if encoded after the preamble."""
+
+    text: str
+    token_ids: tuple[int, ...]
+    kv: SpanKV
+    conditioned: bool
+
+
+class RagEngine:
+    """Serve ``prompt.head + chunks + question`` with chunk KV reused across questions.
+
+    ``canonical_gap`` is the distance between the end of the preamble and the
+    canonical start of conditioned chunks: a chunk that saw the preamble from a
+    typical distance re-rotates to its slot better than one encoded right after it.
+    """
+
+    def __init__(
+        self,
+        lm: LoadedModel,
+        prompt: RagPrompt | None = None,
+        *,
+        canonical_gap: int = 512,
+        kv_device: str | torch.device | None = None,
+        kv_dtype: torch.dtype | None = None,
+    ) -> None:
+        self.lm = lm
+        self.prompt = prompt or RagPrompt()
+        self.wrappers = chat_wrappers(lm.tokenizer)
+        self.kv_device = torch.device(kv_device) if kv_device is not None else lm.device
+        self.kv_dtype = kv_dtype or lm.dtype
+        self.head_ids = tuple(self.tokenize(self.prompt.head(self.wrappers)))
+        self.head_kv = encode_spans(lm.model, [(self.head_ids, range(len(self.head_ids)))])[0]
+        self.canonical_start = len(self.head_ids) + canonical_gap
+        self._stop_ids = eos_ids(lm.model, lm.tokenizer)
+        self._buffers = BufferPool(lm.model)
+
+    def tokenize(self, text: str) -> list[int]:
+        return self.lm.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def passage_text(self, index: int, title: str, text: str) -> str:
+        """A document as the prompt shows it (``index`` is 1-based)."""
+        return self.prompt.passage(index, title, text)
+
+    def encode(self, texts: Sequence[str], mode: str | RecoveryMode = "default") -> list[Chunk]:
+        """Encode ``texts`` as chunks the way ``mode`` wants them (alone or after the preamble), in batches."""
+        conditioned = _mode(mode).conditioned
+        return self.encode_token_ids([self.tokenize(t) for t in texts], conditioned, texts)
+
+    def encode_token_ids(
+        self, token_ids: Sequence[Sequence[int]], conditioned: bool, texts: Sequence[str] | None = None
+    ) -> list[Chunk]:
+        """Encode already tokenized chunks; ``texts`` default to their decoding."""
+        if any(not ids for ids in token_ids):
+            msg = "cannot encode an empty chunk"
+            raise PCRagError(msg)
+        context = self.head_kv if conditioned else None
+        start = self.canonical_start
+        out: list[Chunk] = []
+        for i in range(0, len(token_ids), _ENCODE_BATCH):
+            batch = token_ids[i : i + _ENCODE_BATCH]
+            spans = [(ids, range(start, start + len(ids))) for ids in batch]
+            for j, kv in enumerate(encode_spans(self.lm.model, spans, context)):
+                ids = tuple(batch[j])
+                text = texts[i + j] if texts is not None else self.lm.tokenizer.decode(ids)
+                out.append(Chunk(text, ids, kv.to(self.kv_device, self.kv_dtype), conditioned))
+        return out
+
+    def full_ids(self, chunks: Sequence[Chunk], question: str) -> list[int]:
+        """The plain prompt: head, chunk tokens and question tokens, tokenized piecewise."""
+        tail = self.tokenize(self.prompt.tail(self.wrappers, question))
+        return [*self.head_ids, *(t for c in chunks for t in c.token_ids), *tail]
+
+    def answer(
+        self, chunks: Sequence[Chunk], question: str, mode: str | RecoveryMode = "default", **kwargs: object
+    ) -> GenerationResult:
+        """Answer from cached chunks with ``mode``'s recovery; kwargs are ``SamplingParams`` fields."""
+        return collect(self._serve(chunks, question, _mode(mode), **kwargs))
+
+    def stream(
+        self, chunks: Sequence[Chunk], question: str, mode: str | RecoveryMode = "default", **kwargs: object
+    ) -> ReplyStream:
+        """Like ``answer``, streaming text deltas; ``.result`` is set at the end."""
+        return ReplyStream(self._serve(chunks, question, _mode(mode), **kwargs))
+
+    def answer_full(self, chunks: Sequence[Chunk], question: str, **kwargs: object) -> GenerationResult:
+        """Baseline: full prefill of the same tokens, then the same decoding."""
+        params = replace(SamplingParams(), **kwargs)  # type: ignore[arg-type]
+        ids = self.full_ids(chunks, question)
+        self._check_length(len(ids))
+        watch = Stopwatch()
+        buffer = self._buffers.acquire(len(ids) + params.max_new_tokens)
+        try:
+            logits, cache = forward_new_tokens(self.lm.model, buffer, 0, ids, range(len(ids)))
+            tokens = decode_tokens(self.lm.model, cache, logits, len(ids), params, self._stop_ids)
+            return collect(run_generation(tokens, self.lm.tokenizer, params, watch, logits, 0, len(ids)))
+        finally:
+            self._buffers.release(buffer)
+
+    def _serve(
+        self, chunks: Sequence[Chunk], question: str, mode: RecoveryMode, **kwargs: object
+    ) -> Iterator[str | GenerationResult]:
+        params = replace(SamplingParams(), **kwargs)  # type: ignore[arg-type]
+        watch = Stopwatch()
+        tail = self.tokenize(self.prompt.tail(self.wrappers, question))
+        head = len(self.head_ids)
+        slots, cursor = [], head
+        for chunk in chunks:
+            slots.append((cursor, chunk.kv.length))
+            cursor += chunk.kv.length
+        total = cursor
+        self._check_length(total + len(tail))
+        selected = self._selection_budget(mode, slots)
+        buffer = self._buffers.acquire(total + selected + len(tail) + params.max_new_tokens)
+        try:
+            parts = [(self.head_kv, 0)]
+            parts += [(c.kv, start - int(c.kv.positions[0])) for c, (start, _) in zip(chunks, slots, strict=True)]
+            splice(buffer, self.lm.rope, parts)
+            tail_positions = range(total, total + len(tail))
+            ids = [t for c in chunks for t in c.token_ids]
+            chosen = self._select(mode, buffer, slots, ids, total)
+            if chosen:
+                chosen_ids = [ids[i - head] for i in chosen]
+                logits, cache = recompute_and_prefill(
+                    self.lm.model, buffer, total, chosen, chosen_ids, chosen, tail, tail_positions
+                )
+            else:
+                logits, cache = forward_new_tokens(self.lm.model, buffer, total, tail, tail_positions)
+            tokens = decode_tokens(self.lm.model, cache, logits, total + len(tail), params, self._stop_ids)
+            counts = (total - len(chosen), len(chosen) + len(tail))
+            yield from run_generation(tokens, self.lm.tokenizer, params, watch, logits, *counts)
+        finally:
+            self._buffers.release(buffer)
+
+    def _selection_budget(self, mode: RecoveryMode, slots: Sequence[tuple[int, int]]) -> int:
+        n = sum(length for _, length in slots)
+        return len(edge_indices(slots, mode.edge)) + round(mode.ratio * n)
+
+    def _select(
+        self, mode: RecoveryMode, buffer: object, slots: Sequence[tuple[int, int]], ids: Sequence[int], total: int
+    ) -> list[int]:
+        """Cache indices to recompute (sorted): edge tokens, then the largest KV deviations."""
+        chosen = set(edge_indices(slots, mode.edge))
+        if mode.ratio > 0 and ids:
+            head = len(self.head_ids)
+            deviation = kv_deviation(self.lm.model, buffer, head, ids, range(head, total), mode.probe_layer)
+            chosen.update(top_indices(deviation, round(mode.ratio * len(ids)), head, chosen))
+        return sorted(chosen)
+
+    def _check_length(self, tokens: int) -> None:
+        if tokens + 1 > self.lm.max_positions:
+            msg = f"prompt of {tokens} tokens exceeds the model's {self.lm.max_positions} positions"
+            raise ContextLengthError(msg)
+
+
+def _mode(mode: str | RecoveryMode) -> RecoveryMode:
+    if isinstance(mode, RecoveryMode):
+        return mode
+    if mode not in MODES:
+        msg = f"unknown recovery mode {mode!r}; known: {', '.join(MODES)}"
+        raise PCRagError(msg)
+    return MODES[mode]
