@@ -19,6 +19,7 @@ from transformers import (
     Gemma3TextConfig,
     LlamaConfig,
     MistralConfig,
+    Phi3Config,
     PreTrainedTokenizerBase,
     Qwen2Config,
     Qwen3Config,
@@ -55,6 +56,11 @@ TINY_CONFIGS = {
     "qwen2": lambda: Qwen2Config(**_COMMON),
     "qwen3": lambda: Qwen3Config(**_COMMON, head_dim=16),
     "mistral": lambda: MistralConfig(**_COMMON, sliding_window=None),
+    "phi3-partial-rotary": lambda: Phi3Config(
+        **_COMMON,
+        pad_token_id=0,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5},
+    ),
     "gemma3": lambda: Gemma3TextConfig(
         **_COMMON,
         head_dim=16,
