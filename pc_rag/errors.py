@@ -81,3 +81,34 @@ class ModelLoadError(PCRagError):
 
 class ContextLengthError(PCRagError):
     """A prompt's positions exceed the model's context window."""
+
+
+class EvalError(PCRagError):
+    """An evaluation input is invalid: missing or malformed dataset file, unknown mode, unusable state file."""
+
+
+class ChunkingError(PCRagError):
+    """A text cannot be split into chunks (e.g. it looks binary), or the tokenizer cannot report offsets."""
+
+
+class EmbeddingError(PCRagError):
+    """An embedding model returned something unusable: wrong shape, non-finite values, changing dimension."""
+
+
+class StoreError(PCRagError):
+    """A document store cannot be read or written: missing manifest, unsupported format version, bad input."""
+
+
+class StoreCorruptedError(StoreError):
+    """A store file is missing, truncated or does not match its recorded checksum; names the file."""
+
+
+class StoreMismatchError(StoreError):
+    """A store was built with a different model, tokenizer, chunking, embedder or index than requested.
+
+    ``fields`` maps each differing field to ``(stored, expected)``.
+    """
+
+    def __init__(self, message: str, fields: dict[str, tuple[object, object]] | None = None) -> None:
+        self.fields = dict(fields or {})
+        super().__init__(message)

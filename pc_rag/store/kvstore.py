@@ -1,0 +1,299 @@
+"""Persistent chunk KV: safetensors shards on disk, memory-mapped on demand, decoded spans in a byte-bounded LRU.
+
+Layout: ``<directory>/manifest.json`` and ``<directory>/kv/<shard>.safetensors``.
+A shard holds, for each chunk id ``c``, tensors ``"c.k"`` and ``"c.v"``
+[L, H_kv, S, D] in the storage dtype and ``"c.pos"`` [S] int64 (the absolute
+positions the keys were rotated at). Every write is a new shard, moved into
+place atomically, and only then listed in the manifest with its sha256: a
+crash leaves the previous store. Deleting marks entries dead; ``compact()``
+rewrites shards without them. A shard's checksum is verified the first time
+it is opened in a process. Nothing is ever pickled or ``torch.load``-ed. This
+module knows nothing about models, RoPE or retrieval: KV arrives finished.
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+import os
+import secrets
+import threading
+from collections.abc import Iterable, Mapping
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+
+from pc_rag.errors import StoreCorruptedError
+from pc_rag.kv import SpanKV
+from pc_rag.store._atomic import fsync_dir, fsync_file, sha256_file, staged
+from pc_rag.store._lru import ByteLRU
+from pc_rag.store.manifest import MANIFEST_NAME, Manifest, ShardRecord
+
+logger = logging.getLogger(__name__)
+
+STORAGE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+DEFAULT_LRU_BYTES = 512 << 20
+SHARD_DIR = "kv"
+
+
+class KVStore:
+    """Chunk id -> ``SpanKV`` on disk, with an in-memory LRU of decoded spans on ``device``.
+
+    ``dtype`` is the storage dtype, ``compute_dtype`` (default: ``dtype``) what
+    ``get`` returns. Spans returned by ``get`` are shared with the LRU: treat
+    them as read-only. ``manifest`` lets a caller share its ``Manifest`` (by
+    default ``<directory>/manifest.json`` is loaded, or a new one started); it
+    is rewritten on every change, so batch writes with ``put_many``. One writer
+    process at a time.
+    """
+
+    def __init__(
+        self,
+        directory: str | Path,
+        *,
+        dtype: torch.dtype = torch.float32,
+        compute_dtype: torch.dtype | None = None,
+        lru_bytes: int = DEFAULT_LRU_BYTES,
+        device: str | torch.device = "cpu",
+        manifest: Manifest | None = None,
+    ) -> None:
+        if dtype not in STORAGE_DTYPES:
+            msg = f"KV storage dtype must be one of {STORAGE_DTYPES}, got {dtype}"
+            raise ValueError(msg)
+        self.directory = Path(directory)
+        self.dtype = dtype
+        self.compute_dtype = compute_dtype or dtype
+        self.device = torch.device(device)
+        path = self.directory / MANIFEST_NAME
+        self.manifest = manifest if manifest is not None else Manifest.load(path) if path.exists() else Manifest()
+        self._where = self._locate()
+        self._handles: dict[str, Any] = {}  # shard name -> open safe_open (mmap)
+        self._lru: ByteLRU[SpanKV] = ByteLRU(lru_bytes, _span_bytes)
+        self._lock = threading.RLock()
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+    def __contains__(self, chunk_id: object) -> bool:
+        return chunk_id in self._where
+
+    def ids(self) -> list[int]:
+        return sorted(self._where)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of all shard files on disk (dead entries count until ``compact``)."""
+        return sum(s.nbytes for s in self.manifest.shards.values())
+
+    @property
+    def lru_nbytes(self) -> int:
+        """Bytes of decoded spans held in the LRU (at most ``lru_bytes``)."""
+        return self._lru.nbytes
+
+    @property
+    def lru_bytes(self) -> int:
+        return self._lru.budget
+
+    def put(self, chunk_id: int, span: SpanKV) -> None:
+        self.put_many({chunk_id: span})
+
+    def put_many(self, spans: Mapping[int, SpanKV]) -> None:
+        """Write ``spans`` as one new shard; ids already stored are replaced (their old entries marked dead)."""
+        if not spans:
+            return
+        tensors: dict[str, torch.Tensor] = {}
+        spans = {_check_span(cid, span): span for cid, span in spans.items()}
+        for cid, span in spans.items():
+            tensors[f"{cid}.k"] = span.keys.detach().to("cpu", self.dtype).contiguous()
+            tensors[f"{cid}.v"] = span.values.detach().to("cpu", self.dtype).contiguous()
+            tensors[f"{cid}.pos"] = span.positions.detach().to("cpu", torch.int64).contiguous()
+        with self._lock:
+            name, record = self._write_shard(tensors, sorted(spans))
+            shards = {n: _kill(s, spans) for n, s in self.manifest.shards.items()}
+            shards[name] = record
+            self._commit(shards, written=[name])
+            for cid in spans:
+                self._lru.pop(cid)
+
+    def get(self, chunk_id: int) -> SpanKV:
+        """The span of ``chunk_id`` on ``device`` in ``compute_dtype``; ``KeyError`` if absent."""
+        with self._lock:
+            span = self._lru.get(chunk_id)
+            if span is not None:
+                return span
+            name = self._where.get(chunk_id)
+            if name is None:
+                msg = f"chunk {chunk_id} is not in the KV store at {self.directory}"
+                raise KeyError(msg)
+            keys, values, positions = self._read(name, chunk_id)
+            span = SpanKV(
+                keys.to(self.device, self.compute_dtype), values.to(self.device, self.compute_dtype), positions
+            )
+            self._lru.put(chunk_id, span)
+            return span
+
+    def get_many(self, chunk_ids: Iterable[int]) -> list[SpanKV]:
+        """``get`` for each id, in order."""
+        return [self.get(cid) for cid in chunk_ids]
+
+    def delete(self, chunk_ids: Iterable[int]) -> int:
+        """Mark ``chunk_ids`` dead (unknown ids are ignored); return how many were deleted."""
+        with self._lock:
+            gone = {int(c): None for c in chunk_ids if c in self._where}
+            if gone:
+                self._commit({n: _kill(s, gone) for n, s in self.manifest.shards.items()})
+                for cid in gone:
+                    self._lru.pop(cid)
+            return len(gone)
+
+    def compact(self) -> int:
+        """Rewrite shards holding dead entries without them, drop stray files; return bytes freed on disk."""
+        with self._lock:
+            before = self.nbytes
+            shards = dict(self.manifest.shards)
+            retired = [n for n, s in shards.items() if s.dead]
+            for name in retired:
+                record = shards.pop(name)
+                live = _live(record)
+                if live:
+                    raw = {f"{c}.{t}": self._open(name).get_tensor(f"{c}.{t}") for c in live for t in ("k", "v", "pos")}
+                    new_name, new_record = self._write_shard(raw, live)
+                    shards[new_name] = new_record
+            self._commit(shards, written=[n for n in shards if n not in self.manifest.shards])
+            for name in retired:
+                self._handles.pop(name, None)
+            listed = {self.directory / n for n in shards}
+            for stray in (self.directory / SHARD_DIR).glob("*"):
+                if stray not in listed:
+                    logger.info("removing %s: not listed in the manifest", stray)
+                    stray.unlink(missing_ok=True)
+            return before - self.nbytes
+
+    def verify(self) -> None:
+        """Check every shard against its recorded sha256; ``StoreCorruptedError`` naming each bad one."""
+        problems = [p for name in sorted(self.manifest.shards) if (p := self._problem(name))]
+        if problems:
+            msg = f"KV store at {self.directory} is damaged: " + "; ".join(problems)
+            raise StoreCorruptedError(msg)
+
+    def close(self) -> None:
+        """Release open shard files and the LRU."""
+        with self._lock:
+            self._handles.clear()
+            self._lru.clear()
+
+    def __enter__(self) -> KVStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _locate(self) -> dict[int, str]:
+        """Chunk id -> shard name of its live entry (later shards win, as names sort by write order)."""
+        where: dict[int, str] = {}
+        for name, record in sorted(self.manifest.shards.items()):
+            where.update(dict.fromkeys(_live(record), name))
+        return where
+
+    def _write_shard(self, tensors: dict[str, torch.Tensor], chunk_ids: list[int]) -> tuple[str, ShardRecord]:
+        """Write a new shard file atomically (temp, fsync, rename); return its name and record."""
+        seq = 1 + max((int(Path(n).name.split("-")[0]) for n in self.manifest.shards), default=0)
+        name = f"{SHARD_DIR}/{seq:08d}-{secrets.token_hex(4)}.safetensors"
+        path = self.directory / name
+        with staged(path) as tmp:
+            save_file(tensors, str(tmp), metadata={"format": "pt", "pc_rag": "kv-shard/1"})
+            fsync_file(tmp)
+            record = ShardRecord(sha256=sha256_file(tmp), nbytes=tmp.stat().st_size, chunk_ids=tuple(chunk_ids))
+            os.replace(tmp, path)
+        fsync_dir(path.parent)
+        logger.debug("wrote %s: %d chunks, %d bytes", name, len(chunk_ids), record.nbytes)
+        return name, record
+
+    def _commit(self, shards: dict[str, ShardRecord], written: Iterable[str] = ()) -> None:
+        """Make ``shards`` the shard table and save the manifest; on failure keep the old table and drop ``written``."""
+        old = dict(self.manifest.shards)
+        self.manifest.shards.clear()
+        self.manifest.shards.update(shards)
+        try:
+            self.manifest.save(self.directory / MANIFEST_NAME)
+        except BaseException:
+            self.manifest.shards.clear()
+            self.manifest.shards.update(old)
+            for name in written:
+                (self.directory / name).unlink(missing_ok=True)
+            raise
+        self._where = self._locate()
+
+    def _open(self, name: str) -> Any:
+        """The mmap handle of shard ``name``, verifying its checksum on first open."""
+        handle = self._handles.get(name)
+        if handle is None:
+            if problem := self._problem(name):
+                msg = f"KV store at {self.directory} is damaged: {problem}"
+                raise StoreCorruptedError(msg)
+            try:
+                handle = safe_open(str(self.directory / name), framework="pt")
+            except (OSError, SafetensorError) as e:
+                msg = f"KV shard {name} in {self.directory} cannot be opened: {e}"
+                raise StoreCorruptedError(msg) from e
+            self._handles[name] = handle
+        return handle
+
+    def _problem(self, name: str) -> str | None:
+        """What is wrong with shard ``name`` on disk, or None."""
+        path = self.directory / name
+        if not path.is_file():
+            return f"shard {name} is missing (rebuild the store, or restore the file)"
+        actual = sha256_file(path)
+        if actual != self.manifest.shards[name].sha256:
+            return f"shard {name} does not match its checksum (sha256 {actual[:12]}…); rebuild the store"
+        return None
+
+    def _read(self, name: str, chunk_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        handle = self._open(name)
+        try:
+            keys, values, positions = (handle.get_tensor(f"{chunk_id}.{t}") for t in ("k", "v", "pos"))
+        except SafetensorError as e:
+            msg = f"KV shard {name} lacks the tensors of chunk {chunk_id}: {e}"
+            raise StoreCorruptedError(msg) from e
+        if not _well_shaped(keys, values, positions):
+            msg = f"KV shard {name} holds malformed tensors for chunk {chunk_id}: {tuple(keys.shape)}"
+            raise StoreCorruptedError(msg)
+        return keys, values, positions
+
+
+def _kill(record: ShardRecord, chunk_ids: Iterable[int]) -> ShardRecord:
+    """``record`` with those of ``chunk_ids`` it holds alive marked dead."""
+    newly = set(_live(record)).intersection(chunk_ids)
+    return replace(record, dead=tuple(sorted(newly.union(record.dead)))) if newly else record
+
+
+def _live(record: ShardRecord) -> list[int]:
+    dead = set(record.dead)
+    return [c for c in record.chunk_ids if c not in dead]
+
+
+def _well_shaped(keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> bool:
+    # keys, values: [L, H_kv, S, D]; positions: [S]
+    return keys.dim() == 4 and keys.shape == values.shape and positions.shape == (keys.shape[2],)
+
+
+def _span_bytes(span: SpanKV) -> int:
+    return span.nbytes + span.positions.nbytes
+
+
+def _check_span(chunk_id: int, span: SpanKV) -> int:
+    """``chunk_id`` as an int (``TypeError`` if it is not an integer), after checking it and the span's shapes."""
+    cid = operator.index(chunk_id)
+    if cid < 0:
+        msg = f"chunk ids must be non-negative, got {cid}"
+        raise ValueError(msg)
+    if not _well_shaped(span.keys, span.values, span.positions):
+        shapes = ", ".join(str(tuple(t.shape)) for t in (span.keys, span.values, span.positions))
+        msg = f"chunk {cid}: keys/values must be [L, H_kv, S, D] of one shape and positions [S]; got {shapes}"
+        raise ValueError(msg)
+    return cid
