@@ -1,0 +1,284 @@
+"""A document store: one prompt module per chunk, indexed in FAISS, answered through the RAG engine.
+
+Adding documents splits them into token chunks, encodes each chunk's KV once
+(in batches, at the engine's canonical position), embeds it and indexes it.
+Retrieval returns ``ModuleHandle``s, not text; answering splices the handles'
+KV. On disk a store is ``manifest.json`` (the commit point, written last),
+``kv/*.safetensors`` shards and ``index.faiss``. This module knows nothing
+about attention or recovery: that is the engine's.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from pc_rag.errors import StoreError
+from pc_rag.generate import GenerationResult
+from pc_rag.rag.engine import Chunk, RagEngine
+from pc_rag.rag.modes import MODES
+from pc_rag.store.chunking import split_text
+from pc_rag.store.embeddings import Embedder, SentenceTransformerEmbedder, as_embedder
+from pc_rag.store.index import VectorIndex
+from pc_rag.store.kvstore import DEFAULT_LRU_BYTES, KVStore
+from pc_rag.store.manifest import MANIFEST_NAME, ChunkRecord, DocRecord, Manifest, StoreIdentity, tokenizer_hash
+
+logger = logging.getLogger(__name__)
+
+INDEX_NAME = "index.faiss"
+Document = str | tuple[str, dict[str, Any]]
+
+
+@dataclass(frozen=True)
+class ModuleHandle:
+    """A retrieved chunk: what the LLM splices (by ``chunk_id``) and what a user shows as a source."""
+
+    chunk_id: int
+    score: float
+    n_tokens: int
+    text: str
+    doc_id: str
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Answer:
+    """An answer, the handles it was read from, and its generation stats."""
+
+    text: str
+    sources: tuple[ModuleHandle, ...]
+    result: GenerationResult
+
+
+class DocumentStore:
+    """Chunks, their KV and their embeddings for one model, preamble and mode.
+
+    ``mode`` decides how chunks are encoded (alone or after the preamble) and the
+    default recovery at answer time. Use ``create`` for a new store and ``load``
+    for an existing one; both check that what is on disk matches.
+    """
+
+    def __init__(
+        self,
+        directory: str | Path,
+        engine: RagEngine,
+        manifest: Manifest,
+        kv: KVStore,
+        index: VectorIndex,
+        embedder: Embedder,
+        mode: str,
+    ) -> None:
+        self.directory = Path(directory)
+        self.engine, self.manifest, self.kv, self.index, self.embedder, self.mode = (
+            engine, manifest, kv, index, embedder, mode,
+        )  # fmt: skip
+
+    @classmethod
+    def create(
+        cls,
+        directory: str | Path,
+        engine: RagEngine,
+        *,
+        embedder: object | None = None,
+        index_kind: str = "flat",
+        chunk_tokens: int = 256,
+        overlap_tokens: int = 32,
+        mode: str = "default",
+        storage_dtype: torch.dtype = torch.float32,
+        lru_bytes: int = DEFAULT_LRU_BYTES,
+    ) -> DocumentStore:
+        """Start an empty store in ``directory`` (which must not hold a store yet)."""
+        directory = Path(directory)
+        if (directory / MANIFEST_NAME).exists():
+            msg = f"{directory} already holds a store; use DocumentStore.load"
+            raise StoreError(msg)
+        embedder = SentenceTransformerEmbedder() if embedder is None else as_embedder(embedder)
+        identity = _identity(engine, embedder, index_kind, chunk_tokens, overlap_tokens, mode, storage_dtype)
+        manifest = Manifest(identity=identity)
+        directory.mkdir(parents=True, exist_ok=True)
+        kv = KVStore(
+            directory, dtype=storage_dtype, compute_dtype=engine.lm.dtype, lru_bytes=lru_bytes, manifest=manifest
+        )
+        store = cls(directory, engine, manifest, kv, VectorIndex(embedder.dim, index_kind), embedder, mode)
+        store.save()
+        return store
+
+    @classmethod
+    def load(
+        cls,
+        directory: str | Path,
+        engine: RagEngine,
+        *,
+        embedder: object | None = None,
+        lru_bytes: int = DEFAULT_LRU_BYTES,
+    ) -> DocumentStore:
+        """Open a store; ``StoreMismatchError`` if it was built with another model, tokenizer, preamble or embedder."""
+        directory = Path(directory)
+        if not (directory / MANIFEST_NAME).is_file():
+            msg = f"{directory} is not a pc-rag store (no {MANIFEST_NAME})"
+            raise StoreError(msg)
+        manifest = Manifest.load(directory / MANIFEST_NAME)
+        stored = manifest.identity
+        if stored is None:
+            msg = f"store manifest in {directory} has no identity"
+            raise StoreError(msg)
+        embedder = SentenceTransformerEmbedder() if embedder is None else as_embedder(embedder)
+        mode = stored.encoding_mode.split("/")[0]
+        storage = getattr(torch, stored.model_dtype.split("/")[-1])
+        expected = _identity(
+            engine, embedder, stored.index_kind, stored.chunk_tokens, stored.overlap_tokens, mode, storage
+        )
+        manifest.check_compatible(expected)
+        kv = KVStore(directory, dtype=storage, compute_dtype=engine.lm.dtype, lru_bytes=lru_bytes, manifest=manifest)
+        index = VectorIndex.load(directory / INDEX_NAME)
+        return cls(directory, engine, manifest, kv, index, embedder, mode)
+
+    def __len__(self) -> int:
+        return len(self.manifest.chunks)
+
+    @property
+    def documents(self) -> list[str]:
+        return list(self.manifest.docs)
+
+    def add_documents(
+        self, documents: Iterable[Document], ids: Sequence[str] | None = None, *, progress: bool = True
+    ) -> list[str]:
+        """Chunk, encode, embed and index ``documents`` (texts or ``(text, metadata)``); return their ids.
+
+        Existing ids are replaced (``update``). Empty documents are rejected before anything is written.
+        """
+        docs = [(d, {}) if isinstance(d, str) else (d[0], dict(d[1])) for d in documents]
+        ids = list(ids) if ids is not None else [_doc_id(text) for text, _ in docs]
+        if len(ids) != len(docs) or len(set(ids)) != len(ids):
+            msg = "document ids must be unique and one per document"
+            raise StoreError(msg)
+        stored = self.manifest.identity
+        assert stored is not None
+        pieces = []
+        for doc_id, (text, meta) in zip(ids, docs, strict=True):
+            spans = split_text(text, self.engine.lm.tokenizer, stored.chunk_tokens, stored.overlap_tokens)
+            if not spans:
+                msg = f"document {doc_id!r} is empty"
+                raise StoreError(msg)
+            pieces.append((doc_id, text, meta, spans))
+        self.delete([doc_id for doc_id in ids if doc_id in self.manifest.docs], save=False)
+        next_id = self.manifest.next_chunk_id()
+        records: dict[int, ChunkRecord] = {}
+        for doc_id, text, meta, spans in pieces:
+            chunk_ids = tuple(range(next_id, next_id + len(spans)))
+            next_id += len(spans)
+            for cid, span in zip(chunk_ids, spans, strict=True):
+                records[cid] = ChunkRecord(doc_id, span.text, span.n_tokens, span.start_char, span.end_char, meta)
+            self.manifest.docs[doc_id] = DocRecord(chunk_ids, hashlib.sha256(text.encode()).hexdigest(), meta)
+        self._encode_and_index(records, progress)
+        self.manifest.chunks.update(records)
+        self.save()
+        return ids
+
+    def _encode_and_index(self, records: dict[int, ChunkRecord], progress: bool, batch: int = 32) -> None:
+        conditioned = MODES[self.mode].conditioned
+        items = sorted(records.items(), key=lambda kv: kv[1].n_tokens)  # similar lengths batch with little padding
+        bar = tqdm(total=len(items), desc="encoding chunks", unit="chunk", disable=not progress)
+        for i in range(0, len(items), batch):
+            part = items[i : i + batch]
+            texts = [r.text for _, r in part]
+            chunks = self.engine.encode_token_ids([self.engine.tokenize(t) for t in texts], conditioned, texts)
+            self.kv.put_many({cid: chunk.kv for (cid, _), chunk in zip(part, chunks, strict=True)})
+            self.index.add([cid for cid, _ in part], self.embedder.embed_documents(texts))
+            bar.update(len(part))
+        bar.close()
+
+    def delete(self, doc_ids: Iterable[str], *, save: bool = True) -> int:
+        """Remove documents and their chunks; return how many chunks were removed. Unknown ids raise."""
+        doc_ids = list(doc_ids)
+        unknown = [d for d in doc_ids if d not in self.manifest.docs]
+        if unknown:
+            msg = f"unknown document ids: {unknown[:5]}"
+            raise StoreError(msg)
+        chunk_ids = [c for d in doc_ids for c in self.manifest.docs.pop(d).chunk_ids]
+        for cid in chunk_ids:
+            self.manifest.chunks.pop(cid, None)
+        self.index.remove(chunk_ids)
+        self.kv.delete(chunk_ids)
+        if save:
+            self.save()
+        return len(chunk_ids)
+
+    def update(self, doc_id: str, text: str, metadata: dict[str, Any] | None = None) -> None:
+        """Replace a document's text and metadata."""
+        self.add_documents([(text, metadata or {})], [doc_id], progress=False)
+
+    def search(self, query: str, k: int = 5) -> list[ModuleHandle]:
+        """The ``k`` chunks most similar to ``query`` as module handles, best first (fewer if the store is smaller)."""
+        if k < 1:
+            msg = f"k must be at least 1, got {k}"
+            raise StoreError(msg)
+        hits = self.index.search(self.embedder.embed_query(query), k) if len(self.index) else []
+        out = []
+        for cid, score in hits:
+            record = self.manifest.chunks.get(cid)
+            if record is None:  # indexed by an interrupted write that never reached the manifest
+                continue
+            out.append(ModuleHandle(cid, score, record.n_tokens, record.text, record.doc_id, dict(record.metadata)))
+        return out
+
+    def chunks(self, handles: Sequence[ModuleHandle]) -> list[Chunk]:
+        """The engine chunks (token ids and KV) behind ``handles``, in the given order."""
+        conditioned = MODES[self.mode].conditioned
+        spans = self.kv.get_many([h.chunk_id for h in handles])
+        return [
+            Chunk(h.text, tuple(self.engine.tokenize(h.text)), kv, conditioned)
+            for h, kv in zip(handles, spans, strict=True)
+        ]
+
+    def answer(self, question: str, k: int = 5, mode: str | None = None, **kwargs: object) -> Answer:
+        """Retrieve ``k`` chunks and answer from their cached KV (``mode`` defaults to the store's)."""
+        handles = self.search(question, k)
+        result = self.engine.answer(self.chunks(handles), question, mode or self.mode, **kwargs)
+        return Answer(result.text, tuple(handles), result)
+
+    def answer_full(self, question: str, k: int = 5, **kwargs: object) -> Answer:
+        """The same retrieval, answered by full prefill (the baseline)."""
+        handles = self.search(question, k)
+        result = self.engine.answer_full(self.chunks(handles), question, **kwargs)
+        return Answer(result.text, tuple(handles), result)
+
+    def save(self) -> None:
+        """Persist index then manifest (the manifest is the commit point; KV shards are already on disk)."""
+        self.index.save(self.directory / INDEX_NAME)
+        self.manifest.save(self.directory / MANIFEST_NAME)
+
+
+def _identity(
+    engine: RagEngine, embedder: Embedder, index_kind: str, chunk_tokens: int, overlap_tokens: int, mode: str,
+    storage_dtype: torch.dtype,
+) -> StoreIdentity:  # fmt: skip
+    if mode not in MODES:
+        msg = f"unknown mode {mode!r}; known: {', '.join(MODES)}"
+        raise StoreError(msg)
+    encoding = "conditioned" if MODES[mode].conditioned else "isolated"
+    return StoreIdentity(
+        model_name=engine.lm.name,
+        model_fingerprint=engine.lm.fingerprint(),
+        model_dtype=f"{str(engine.lm.dtype).removeprefix('torch.')}/{str(storage_dtype).removeprefix('torch.')}",
+        tokenizer_hash=tokenizer_hash(engine.lm.tokenizer),
+        chunk_tokens=chunk_tokens,
+        overlap_tokens=overlap_tokens,
+        preamble_hash=engine.prompt.digest(),
+        encoding_mode=f"{mode}/{encoding}",
+        start_position=engine.canonical_start,
+        embedder_name=embedder.name,
+        embedder_dim=embedder.dim,
+        index_kind=index_kind,
+    )
+
+
+def _doc_id(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:16]

@@ -1,0 +1,123 @@
+"""The document store end to end on a tiny model: add, search handles, answer, persist, reload, delete, update."""
+
+from __future__ import annotations
+
+import zlib
+
+import numpy as np
+import pytest
+import torch
+from conftest import tiny_model
+
+from pc_rag.errors import StoreCorruptedError, StoreError, StoreMismatchError
+from pc_rag.rag import RagEngine, RagPrompt
+from pc_rag.store import as_embedder
+from pc_rag.store.document_store import DocumentStore
+
+DOCS = [
+    ("The Eiffel Tower is a wrought-iron tower in Paris. It was finished in 1889.", {"source": "eiffel.txt"}),
+    ("Mount Fuji is the highest mountain of Japan. It is an active volcano.", {"source": "fuji.txt"}),
+    ("The Danube is Europe's second-longest river. It flows into the Black Sea.", {"source": "danube.txt"}),
+]
+
+
+def bag_of_words(texts: list[str]) -> np.ndarray:
+    """A deterministic hashing embedder: enough for lexical retrieval in tests."""
+    out = np.zeros((len(texts), 64), dtype=np.float32)
+    for row, text in enumerate(texts):
+        for word in text.lower().replace(".", " ").replace("?", " ").split():
+            out[row, zlib.crc32(word.encode()) % 64] += 1.0
+    return out
+
+
+@pytest.fixture(scope="module")
+def engine(tokenizer) -> RagEngine:
+    return RagEngine(tiny_model("llama", tokenizer), RagPrompt())
+
+
+def embedder():
+    return as_embedder(bag_of_words, name="test-bag-of-words")
+
+
+def make_store(tmp_path, engine: RagEngine, **kwargs) -> DocumentStore:
+    store = DocumentStore.create(
+        tmp_path / "store", engine, embedder=embedder(), chunk_tokens=24, overlap_tokens=4, **kwargs
+    )
+    store.add_documents(DOCS, ids=["eiffel", "fuji", "danube"], progress=False)
+    return store
+
+
+def test_search_returns_module_handles(tmp_path, engine: RagEngine) -> None:
+    store = make_store(tmp_path, engine)
+    handles = store.search("Which mountain is the highest of Japan?", k=2)
+    assert handles[0].doc_id == "fuji" and handles[0].metadata == {"source": "fuji.txt"}
+    assert handles[0].n_tokens == len(engine.tokenize(handles[0].text)) and handles[0].score >= handles[1].score
+    assert len(store.search("anything", k=50)) == len(store)  # k beyond the store returns everything
+
+
+def test_answer_splices_the_retrieved_modules(tmp_path, engine: RagEngine) -> None:
+    store = make_store(tmp_path, engine, mode="naive")
+    answer = store.answer("Where is the Eiffel Tower?", k=2, max_new_tokens=3)
+    stats = answer.result.stats
+    assert stats.cached_tokens == len(engine.head_ids) + sum(h.n_tokens for h in answer.sources)
+    full = store.answer_full("Where is the Eiffel Tower?", k=2, max_new_tokens=3)
+    assert full.sources == answer.sources and full.result.stats.cached_tokens == 0
+
+
+def test_reload_gives_the_same_store(tmp_path, engine: RagEngine) -> None:
+    store = make_store(tmp_path, engine, storage_dtype=torch.bfloat16)
+    question = "Where does the Danube flow?"
+    before = store.answer(question, k=2, max_new_tokens=3)
+    again = DocumentStore.load(tmp_path / "store", engine, embedder=embedder())
+    after = again.answer(question, k=2, max_new_tokens=3)
+    assert after.sources == before.sources
+    torch.testing.assert_close(after.result.first_logits, before.result.first_logits)
+
+
+def test_store_refuses_another_model_or_embedder(tmp_path, engine: RagEngine, tokenizer) -> None:
+    make_store(tmp_path, engine)
+    other = RagEngine(tiny_model("qwen2", tokenizer), RagPrompt())
+    with pytest.raises(StoreMismatchError, match="model"):
+        DocumentStore.load(tmp_path / "store", other, embedder=embedder())
+    with pytest.raises(StoreMismatchError, match="embedder"):
+        DocumentStore.load(tmp_path / "store", engine, embedder=as_embedder(bag_of_words, name="other"))
+    with pytest.raises(StoreMismatchError, match="preamble"):
+        DocumentStore.load(
+            tmp_path / "store", RagEngine(engine.lm, RagPrompt(preamble="Other.\n")), embedder=embedder()
+        )
+
+
+def test_delete_and_update(tmp_path, engine: RagEngine) -> None:
+    store = make_store(tmp_path, engine)
+    removed = store.delete(["fuji"])
+    assert removed > 0 and all(h.doc_id != "fuji" for h in store.search("Japan mountain", k=10))
+    store.update("eiffel", "The Eiffel Tower is 330 metres tall.", {"source": "v2"})
+    handles = store.search("How tall is the Eiffel Tower?", k=1)
+    assert handles[0].text == "The Eiffel Tower is 330 metres tall." and handles[0].metadata == {"source": "v2"}
+    reloaded = DocumentStore.load(tmp_path / "store", engine, embedder=embedder())
+    assert sorted(reloaded.documents) == ["danube", "eiffel"]
+    with pytest.raises(StoreError, match="unknown document"):
+        store.delete(["nope"])
+
+
+def test_bad_input_writes_nothing(tmp_path, engine: RagEngine) -> None:
+    store = make_store(tmp_path, engine)
+    size = len(store)
+    with pytest.raises(StoreError, match="empty"):
+        store.add_documents(["fine text", "   "], progress=False)
+    assert len(store) == size
+    with pytest.raises(StoreError, match="not a pc-rag store"):
+        DocumentStore.load(tmp_path / "nowhere", engine, embedder=embedder())
+    with pytest.raises(StoreError, match="already holds"):
+        DocumentStore.create(tmp_path / "store", engine, embedder=embedder())
+
+
+def test_corrupted_shard_is_named(tmp_path, engine: RagEngine) -> None:
+    make_store(tmp_path, engine)
+    shard = next((tmp_path / "store" / "kv").glob("*.safetensors"))
+    data = bytearray(shard.read_bytes())
+    data[-10] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    store = DocumentStore.load(tmp_path / "store", engine, embedder=embedder())
+    with pytest.raises(StoreCorruptedError, match=shard.name):
+        store.answer("Where is the Eiffel Tower?", k=3, max_new_tokens=1)

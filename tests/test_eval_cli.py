@@ -1,0 +1,78 @@
+"""``pc-rag eval``: user errors exit with code 2 before any model is loaded; a run writes JSON, plot and state."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from test_eval_runner import FakeEngine
+
+from pc_rag import cli
+
+GOOD = {"id": "q1", "question": "Q: Tulsa", "answers": ["Tulsa"], "passages": [{"title": "T", "text": "Tulsa."}]}
+
+
+@pytest.fixture(autouse=True)
+def no_model(monkeypatch: pytest.MonkeyPatch) -> None:
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the model must not be loaded")
+
+    monkeypatch.setattr("pc_rag.model.load_model", refuse)
+
+
+def _data(tmp_path: Path, *lines: str) -> str:
+    path = tmp_path / "qa.jsonl"
+    path.write_text("".join(line + "\n" for line in lines))
+    return str(path)
+
+
+def _error(capsys: pytest.CaptureFixture[str], argv: list[str]) -> str:
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("pc-rag: error: ")
+    return err
+
+
+def test_missing_dataset(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert "dataset file not found" in _error(capsys, ["eval", "--dataset", str(tmp_path / "none.jsonl")])
+
+
+def test_bad_json_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = _data(tmp_path, json.dumps(GOOD), '{"id": ')
+    assert "qa.jsonl:2: invalid JSON" in _error(capsys, ["eval", "--dataset", path])
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--limit", "0"], "--limit must be >= 1"),
+        (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
+        (["--modes", "full,turbo"], "unknown mode(s) 'turbo'; known modes: full, "),
+        (["--json", "/nonexistent-dir/out.json"], "output directory does not exist"),
+    ],
+)
+def test_argument_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str], extra: list[str], message: str) -> None:
+    pytest.importorskip("pc_rag.rag")
+    err = _error(capsys, ["eval", "--dataset", _data(tmp_path, json.dumps(GOOD)), *extra])
+    assert message in err
+
+
+def test_eval_writes_json_plot_and_state(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    rag = pytest.importorskip("pc_rag.rag")
+    monkeypatch.setattr("pc_rag.model.load_model", lambda *a, **k: type("LM", (), {"name": "fake"})())
+    monkeypatch.setattr(rag, "RagEngine", lambda lm, prompt: FakeEngine())
+    lines = [json.dumps({**GOOD, "id": f"q{i}", "question": f"Q: answer {i}"}) for i in range(3)]
+    out, png = tmp_path / "r.json", tmp_path / "r.png"
+    argv = ["eval", "--dataset", _data(tmp_path, *lines), "--modes", "naive,default", "--limit", "2"]
+    assert cli.main([*argv, "--json", str(out), "--plot", str(png)]) == 0
+    rows = json.loads(out.read_text())["results"]
+    assert {(r["dataset"], r["mode"], r["n"]) for r in rows} == {
+        (d, m, 2) for d in ("qa", "all") for m in ("naive", "default")
+    }  # full is computed for agreement but not listed, so not reported
+    assert png.read_bytes()[:4] == b"\x89PNG"
+    state = tmp_path / "r.json.partial.jsonl"
+    assert len(state.read_text().splitlines()) == 2 * 3
+    assert "naive" in capsys.readouterr().out

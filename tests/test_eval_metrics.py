@@ -1,0 +1,102 @@
+"""Comparison metrics against full prefill and their aggregation, checked against hand computations."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from pc_rag.eval.metrics import QuestionRecord, aggregate, first_token_kl, make_record, percentile
+from pc_rag.generate import GenerationResult, GenerationStats
+
+
+def _result(text: str, ids: list[int], logits: list[float], ttft: float = 1.0) -> GenerationResult:
+    stats = GenerationStats(ttft_ms=ttft, total_ms=2 * ttft, cached_tokens=0, computed_tokens=10, new_tokens=len(ids))
+    return GenerationResult(text, ids, stats, torch.tensor(logits))
+
+
+def test_kl_matches_hand_computation() -> None:
+    p = torch.log(torch.tensor([0.5, 0.25, 0.25])) + 3.0  # logits: any shift gives the same softmax
+    q = torch.log(torch.tensor([0.25, 0.25, 0.5])) - 1.0
+    # KL(p || q) = 0.5 ln(0.5/0.25) + 0.25 ln 1 + 0.25 ln(0.25/0.5) = 0.25 ln 2
+    assert first_token_kl(p, q) == pytest.approx(0.25 * math.log(2), abs=1e-7)
+    assert first_token_kl(p, p) == 0.0
+    assert first_token_kl(q, p) == pytest.approx(0.25 * math.log(2), abs=1e-7)
+
+
+def test_kl_is_float64_on_a_large_vocabulary() -> None:
+    gen = torch.Generator().manual_seed(0)
+    a, b = torch.randn(49152, generator=gen) * 5, torch.randn(49152, generator=gen) * 5
+    pa, pb = (np.exp(x - np.logaddexp.reduce(x)) for x in (a.double().numpy(), b.double().numpy()))
+    expected = float(np.sum(pa * (np.log(pa) - np.log(pb))))
+    assert first_token_kl(a, b) == pytest.approx(expected, rel=1e-9)
+    assert first_token_kl(a, a + 1e-3) == pytest.approx(0.0, abs=1e-12)  # no float32 cancellation noise
+
+
+def test_percentile_is_numpy_linear() -> None:
+    values = [10.0, 1.0, 7.0, 3.0, 2.0, 9.0, 4.0]
+    for q in (0.0, 0.5, 0.9, 1.0):
+        assert percentile(values, q) == pytest.approx(float(np.percentile(values, 100 * q)))
+    assert percentile(list(range(1, 11)), 0.9) == pytest.approx(9.1)
+
+
+def test_record_compares_with_full() -> None:
+    full = _result("The Tulsa", [5, 6], [0.0, 2.0, 1.0])
+    same_text = _result(" The Tulsa\n", [5, 6, 7], [0.0, 2.0, 1.0])
+    other = _result("Tulsa", [6], [0.0, 1.0, 2.0], ttft=0.5)
+    kw = {
+        "setting": "closed",
+        "dataset": "d",
+        "example_id": "1",
+        "answers": ["Tulsa"],
+        "context_tokens": 9,
+        "full": full,
+    }
+    a = make_record(mode="a", result=same_text, **kw)
+    assert (a.agreement, a.first_token_agreement, a.identical, a.first_token_kl) == (True, True, False, 0.0)
+    assert a.f1 == 1.0 and a.full_starts_with_the
+    b = make_record(mode="b", result=other, **kw)
+    assert (b.agreement, b.first_token_agreement, b.identical, b.first_token_id) == (False, False, False, 6)
+    assert b.first_token_kl > 0 and b.ttft_ms == 0.5 and b.context_tokens == 9
+    eos_first = make_record(mode="c", result=_result("", [], [0.0, 0.0, 0.0]), **kw)
+    assert eos_first.first_token_id is None and not eos_first.first_token_agreement
+    assert not make_record(
+        mode="d", result=full, **{**kw, "full": _result("Theodore", [1], [0, 0, 0])}
+    ).full_starts_with_the
+
+
+def _rec(dataset: str, mode: str, i: int, f1: float, ttft: float, *, agree: bool, the: bool = False) -> QuestionRecord:
+    return QuestionRecord(
+        setting="closed", dataset=dataset, id=str(i), mode=mode, answer="x", f1=f1, ttft_ms=ttft,
+        context_tokens=100 * (i + 1), first_token_id=1, agreement=agree, first_token_agreement=agree,
+        first_token_kl=0.0 if agree else 0.2, identical=agree, full_starts_with_the=the,
+    )  # fmt: skip
+
+
+def test_aggregate_rows_per_dataset_and_all() -> None:
+    records = [
+        _rec("hotpotqa", "full", 0, 1.0, 100, agree=True, the=True),
+        _rec("hotpotqa", "full", 1, 0.5, 200, agree=True),
+        _rec("musique", "full", 0, 0.0, 300, agree=True),
+        _rec("hotpotqa", "naive", 0, 0.0, 10, agree=False, the=True),
+        _rec("hotpotqa", "naive", 1, 0.5, 20, agree=True),
+        _rec("musique", "naive", 0, 1.0, 30, agree=False),
+    ]
+    rows = aggregate(records, ["naive", "full"])
+    assert [(r.dataset, r.mode, r.n) for r in rows] == [
+        ("hotpotqa", "naive", 2), ("hotpotqa", "full", 2), ("musique", "naive", 1), ("musique", "full", 1),
+        ("all", "naive", 3), ("all", "full", 3),
+    ]  # fmt: skip
+    hot_naive, all_naive, all_full = rows[0], rows[4], rows[5]
+    assert hot_naive.f1 == pytest.approx(25.0) and hot_naive.agreement == 0.5
+    assert hot_naive.first_token_agreement_non_the == 1.0  # the "The" question is left out
+    assert hot_naive.first_token_kl == pytest.approx(0.1) and hot_naive.context_tokens_mean == 150
+    assert all_naive.f1 == pytest.approx(100 * 1.5 / 3) and all_naive.agreement == pytest.approx(1 / 3)
+    assert all_naive.first_token_agreement_non_the == 0.5 and all_naive.identical == pytest.approx(1 / 3)
+    assert (all_naive.ttft_ms_median, all_naive.ttft_ms_p90) == (20, pytest.approx(28))
+    assert (all_full.agreement, all_full.first_token_kl, all_full.setting) == (1.0, 0.0, "closed")
+    assert [r.mode for r in aggregate(records, ["naive"])] == ["naive"] * 3  # unlisted modes are not reported
+    only_the = aggregate([_rec("d", "m", 0, 1, 1, agree=True, the=True)])
+    assert only_the[0].first_token_agreement_non_the is None
