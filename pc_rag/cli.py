@@ -1,4 +1,4 @@
-"""The ``pc-rag`` command line: ``demo`` and ``bench ttft``.
+"""The ``pc-rag`` command line: ``demo``, ``bench ttft`` and ``eval``.
 
 The CLI knows nothing about how serving works; it parses arguments, calls the
 engine and prints.
@@ -28,6 +28,7 @@ def main(argv: list[str] | None = None) -> int:
     ttft.add_argument("--tokens", default="1024,2048,4096,8000", help="comma-separated prompt lengths")
     ttft.add_argument("--runs", type=int, default=3, help="timed runs per length (median is reported)")
     ttft.add_argument("--json", type=Path, default=None, help="write the rows as JSON here")
+    _add_eval_parser(commands)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(message)s")
     try:
@@ -38,6 +39,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
+    if args.command == "eval":
+        return _run_eval(args)
     from pc_rag.engine import PromptCache
     from pc_rag.model import DEFAULT_MODEL, load_model
 
@@ -55,6 +58,61 @@ def _run(args: argparse.Namespace) -> int:
         print_table(rows)
         if args.json:
             write_json(rows, args.json)
+    return 0
+
+
+def _add_eval_parser(commands: argparse._SubParsersAction) -> None:
+    ev = commands.add_parser("eval", help="F1, agreement with full prefill and TTFT per mode on multi-doc QA")
+    ev.add_argument("--dataset", type=Path, action="append", required=True, help="JSONL file, ours or LongBench's")
+    ev.add_argument("--modes", default="full,default", help="comma-separated: full and the engine's modes")
+    ev.add_argument("--limit", type=int, default=None, help="first N examples of each dataset file")
+    ev.add_argument("--json", type=Path, default=None, help="write the result rows as JSON here")
+    ev.add_argument("--plot", type=Path, default=None, help="write an F1-vs-TTFT PNG here")
+    ev.add_argument("--max-new-tokens", type=int, default=32)
+    ev.add_argument("--state", type=Path, default=None, help="resume file (default: the --json path + .partial.jsonl)")
+
+
+def _run_eval(args: argparse.Namespace) -> int:
+    """Validate everything cheap (modes, datasets, output paths) before the model is loaded."""
+    from pc_rag.errors import EvalError
+    from pc_rag.eval import aggregate, format_table, load_datasets, parse_modes, plot, run_eval, write_json
+    from pc_rag.eval.report import require_matplotlib
+    from pc_rag.model import DEFAULT_MODEL, load_model
+
+    if args.max_new_tokens < 1:
+        msg = f"--max-new-tokens must be >= 1, got {args.max_new_tokens}"
+        raise EvalError(msg)
+    examples = load_datasets(args.dataset, args.limit)
+    if not examples:
+        msg = f"no examples in {', '.join(map(str, args.dataset))}"
+        raise EvalError(msg)
+    from pc_rag.rag import MODES, RagEngine, RagPrompt
+
+    modes = parse_modes(args.modes, MODES)
+    state = args.state or (args.json.with_name(args.json.name + ".partial.jsonl") if args.json else None)
+    for out in (args.json, args.plot, state):
+        if out is not None and not out.parent.is_dir():
+            msg = f"output directory does not exist: {out.parent}"
+            raise EvalError(msg)
+    if args.plot:
+        require_matplotlib()
+
+    lm = load_model(args.model or DEFAULT_MODEL, device=args.device)
+    engine = RagEngine(lm, RagPrompt.longbench())
+    records = run_eval(engine, examples, modes, state_path=state, max_new_tokens=args.max_new_tokens)
+    rows = aggregate(records, modes)
+    print(format_table(rows))
+    if args.json:
+        config = {
+            "model": lm.name,
+            "datasets": [str(p) for p in args.dataset],
+            "limit": args.limit,
+            "max_new_tokens": args.max_new_tokens,
+            "modes": modes,
+        }
+        write_json(rows, args.json, config)
+    if args.plot:
+        plot(rows, args.plot)
     return 0
 
 

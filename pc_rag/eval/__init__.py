@@ -1,0 +1,35 @@
+"""Accuracy and latency evaluation of the RAG engine on multi-document QA (LongBench conventions).
+
+The package knows nothing about how the engine caches: it loads examples, asks the engine for
+answers in each mode and full prefill, scores and compares them, and reports.
+"""
+
+from pc_rag.eval.datasets import Example, Passage, load_datasets, load_examples, split_longbench_context
+from pc_rag.eval.longbench import best_f1, normalize_answer, qa_f1_score
+from pc_rag.eval.metrics import QuestionRecord, ResultRow, aggregate, first_token_kl
+from pc_rag.eval.report import format_table, plot, results_json, write_json
+from pc_rag.eval.runner import FULL, EvalEngine, load_state, parse_modes, run_eval
+
+__all__ = [
+    "FULL",
+    "EvalEngine",
+    "Example",
+    "Passage",
+    "QuestionRecord",
+    "ResultRow",
+    "aggregate",
+    "best_f1",
+    "first_token_kl",
+    "format_table",
+    "load_datasets",
+    "load_examples",
+    "load_state",
+    "normalize_answer",
+    "parse_modes",
+    "plot",
+    "qa_f1_score",
+    "results_json",
+    "run_eval",
+    "split_longbench_context",
+    "write_json",
+]

@@ -1,0 +1,157 @@
+"""Per-question evaluation records, their comparison with full prefill, and aggregation into result rows.
+
+Every mode is compared with the full prefill of the same example: answer agreement, first-token
+agreement and KL(full || mode) of the first-token distributions. This module knows nothing about
+engines or files; the runner builds the records, the report prints and plots the rows.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from pc_rag.eval.longbench import best_f1
+from pc_rag.generate import GenerationResult
+
+ALL = "all"  # the dataset name of the rows that pool every dataset
+_STARTS_WITH_THE = re.compile(r"\s*The\b")
+
+
+@dataclass
+class QuestionRecord:
+    """One answered question in one mode; comparison fields are against full prefill (full vs itself for full)."""
+
+    setting: str
+    dataset: str
+    id: str
+    mode: str
+    answer: str
+    f1: float  # best qa_f1_score over the gold answers, in [0, 1]
+    ttft_ms: float
+    context_tokens: int  # tokens of the passages (the chunks), the same in every mode
+    first_token_id: int | None  # None when the first step produced EOS
+    agreement: bool  # answer.strip() == full's answer.strip()
+    first_token_agreement: bool
+    first_token_kl: float  # KL(full || mode) of the first-token distributions, in nats
+    identical: bool  # the generated token ids equal full's
+    full_starts_with_the: bool  # full's answer starts with the word "The"
+
+
+@dataclass
+class ResultRow:
+    """Aggregate of one (dataset, mode): shares in [0, 1], F1 times 100 as LongBench reports it."""
+
+    dataset: str
+    mode: str
+    setting: str
+    n: int
+    f1: float
+    agreement: float
+    first_token_agreement: float
+    first_token_kl: float
+    ttft_ms_median: float
+    ttft_ms_p90: float
+    context_tokens_mean: float
+    first_token_agreement_non_the: float | None  # None when every full answer starts with "The"
+    identical: float
+
+
+def first_token_kl(full_logits: torch.Tensor, mode_logits: torch.Tensor) -> float:
+    """KL(p_full || p_mode) in nats of the softmax of two first-step logit vectors [V], computed in float64."""
+    assert full_logits.shape == mode_logits.shape, (full_logits.shape, mode_logits.shape)
+    log_p = torch.log_softmax(full_logits.detach().cpu().double(), dim=-1)
+    log_q = torch.log_softmax(mode_logits.detach().cpu().double(), dim=-1)
+    p = log_p.exp()
+    terms = torch.where(p > 0, p * (log_p - log_q), torch.zeros_like(p))  # 0 * log 0 = 0
+    return float(terms.sum())
+
+
+def make_record(
+    *,
+    setting: str,
+    dataset: str,
+    example_id: str,
+    mode: str,
+    answers: Sequence[str],
+    context_tokens: int,
+    result: GenerationResult,
+    full: GenerationResult,
+) -> QuestionRecord:
+    """Score ``result`` against the gold ``answers`` and compare it with the ``full`` prefill's result."""
+    first = result.token_ids[0] if result.token_ids else None
+    full_first = full.token_ids[0] if full.token_ids else None
+    return QuestionRecord(
+        setting=setting,
+        dataset=dataset,
+        id=example_id,
+        mode=mode,
+        answer=result.text,
+        f1=best_f1(result.text, answers),
+        ttft_ms=result.stats.ttft_ms,
+        context_tokens=context_tokens,
+        first_token_id=first,
+        agreement=result.text.strip() == full.text.strip(),
+        first_token_agreement=first == full_first,
+        first_token_kl=first_token_kl(full.first_logits, result.first_logits),
+        identical=list(result.token_ids) == list(full.token_ids),
+        full_starts_with_the=bool(_STARTS_WITH_THE.match(full.text)),
+    )
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The ``q``-quantile (0..1) with linear interpolation between order statistics (numpy's default)."""
+    assert values and 0 <= q <= 1, (len(values), q)
+    ordered = sorted(values)
+    pos = (len(ordered) - 1) * q
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+def aggregate(records: Iterable[QuestionRecord], modes: Sequence[str] | None = None) -> list[ResultRow]:
+    """One row per (dataset, mode) plus an ``"all"`` row per mode pooling every question (micro average).
+
+    Rows are grouped by dataset (in first-seen order, ``"all"`` last), then by mode in ``modes``
+    order (default: first-seen order); records of other modes are ignored.
+    """
+    records = list(records)
+    if modes is None:
+        modes = list(dict.fromkeys(r.mode for r in records))
+    datasets = list(dict.fromkeys(r.dataset for r in records))
+    rows = []
+    for dataset in [*datasets, ALL]:
+        for mode in modes:
+            group = [r for r in records if r.mode == mode and dataset in (ALL, r.dataset)]
+            if group:
+                rows.append(_row(dataset, mode, group))
+    return rows
+
+
+def _row(dataset: str, mode: str, group: list[QuestionRecord]) -> ResultRow:
+    non_the = [r.first_token_agreement for r in group if not r.full_starts_with_the]
+    ttfts = [r.ttft_ms for r in group]
+    settings = {r.setting for r in group}
+    assert len(settings) == 1, f"one row mixes settings {settings}"
+    return ResultRow(
+        dataset=dataset,
+        mode=mode,
+        setting=settings.pop(),
+        n=len(group),
+        f1=100 * _mean(r.f1 for r in group),
+        agreement=_mean(r.agreement for r in group),
+        first_token_agreement=_mean(r.first_token_agreement for r in group),
+        first_token_kl=_mean(r.first_token_kl for r in group),
+        ttft_ms_median=percentile(ttfts, 0.5),
+        ttft_ms_p90=percentile(ttfts, 0.9),
+        context_tokens_mean=_mean(r.context_tokens for r in group),
+        first_token_agreement_non_the=_mean(non_the) if non_the else None,
+        identical=_mean(r.identical for r in group),
+    )
+
+
+def _mean(values: Iterable[float]) -> float:
+    values = list(values)
+    return math.fsum(values) / len(values)

@@ -1,0 +1,181 @@
+"""Run every example through full prefill and each cached mode, resumably, and collect question records.
+
+Closed context (LongBench): an example's own passages, in order, are its chunks, encoded once per
+(example, mode) outside the timed path. Full prefill runs first per example; the other modes are
+compared with it. Finished questions are appended to a JSONL state file, so a rerun skips them.
+This module knows nothing about models or tokenizers: it drives any object with the engine's
+``encode / answer / answer_full / passage_text`` methods.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import asdict, fields
+from pathlib import Path
+from typing import Any, Protocol
+
+from tqdm import tqdm
+
+from pc_rag.errors import EvalError
+from pc_rag.eval.datasets import Example
+from pc_rag.eval.metrics import QuestionRecord, make_record
+from pc_rag.generate import GenerationResult
+
+logger = logging.getLogger(__name__)
+
+FULL = "full"  # full prefill of the same tokens: the reference every mode is compared with
+FULL_CHUNKS_MODE = "default"  # the encoding full prefill is given when no other mode of the example is due
+SETTINGS = ("closed",)
+
+Key = tuple[str, str, str, str]  # (setting, dataset, id, mode)
+
+
+class EvalEngine(Protocol):
+    """What the runner needs from ``pc_rag.rag.RagEngine``."""
+
+    def encode(self, texts: list[str], mode: str) -> list[Any]: ...
+
+    def answer(self, chunks: list[Any], question: str, mode: str, max_new_tokens: int = 32) -> GenerationResult: ...
+
+    def answer_full(self, chunks: list[Any], question: str, max_new_tokens: int = 32) -> GenerationResult: ...
+
+    def passage_text(self, i: int, title: str, text: str) -> str: ...
+
+
+def parse_modes(spec: str | Sequence[str], known: Iterable[str]) -> list[str]:
+    """The requested modes in order, without repeats; ``known`` are the engine's mode names (``full`` is added).
+
+    Raises ``EvalError`` listing the known names for an unknown or empty request.
+    """
+    names = spec.split(",") if isinstance(spec, str) else list(spec)
+    modes = list(dict.fromkeys(n.strip() for n in names if n.strip()))
+    allowed = [FULL, *sorted(set(known) - {FULL})]
+    unknown = [m for m in modes if m not in allowed]
+    if unknown or not modes:
+        what = f"unknown mode(s) {', '.join(map(repr, unknown))}" if unknown else "no mode given"
+        msg = f"{what}; known modes: {', '.join(allowed)}"
+        raise EvalError(msg)
+    return modes
+
+
+def run_eval(
+    engine: EvalEngine,
+    examples: Sequence[Example],
+    modes: Sequence[str],
+    setting: str = "closed",
+    state_path: str | Path | None = None,
+    max_new_tokens: int = 32,
+    progress: bool = True,
+) -> list[QuestionRecord]:
+    """Answer every example in ``full`` (always, first) and each of ``modes``; one record per (example, mode).
+
+    With ``state_path``, records already there are reused and each new one is appended as it finishes.
+    Returns the records of these examples in example order, ``full`` first, then ``modes`` order.
+    """
+    if setting not in SETTINGS:
+        msg = f"setting {setting!r} is not supported; supported: {', '.join(SETTINGS)}"
+        raise EvalError(msg)
+    run_modes = [FULL, *(m for m in dict.fromkeys(modes) if m != FULL)]
+    done = load_state(state_path) if state_path is not None else {}
+    keys = [[(setting, ex.dataset, ex.id, mode) for mode in run_modes] for ex in examples]
+    already = sum(k in done for row in keys for k in row)
+    total = len(keys) * len(run_modes)
+    if already:
+        logger.warning("resuming: %d of %d questions already done in %s", already, total, state_path)
+    bar = tqdm(total=total, initial=already, desc="eval", unit="q", disable=not progress)
+    with _appender(state_path) as save, bar:
+        for example, example_keys in zip(examples, keys, strict=True):
+            todo = [k for k in example_keys if k not in done]
+            if todo:
+                for record in _run_example(engine, example, todo, max_new_tokens):
+                    done[(setting, record.dataset, record.id, record.mode)] = record
+                    save(record)
+                    bar.update()
+    return [done[k] for row in keys for k in row]
+
+
+def _run_example(
+    engine: EvalEngine, example: Example, todo: list[Key], max_new_tokens: int
+) -> Iterator[QuestionRecord]:
+    """Yield the records of the ``todo`` keys of one example; full prefill runs (again) whenever a mode needs it."""
+    texts = [engine.passage_text(i, p.title, p.text) for i, p in enumerate(example.passages, start=1)]
+    encoded: dict[str, list[Any]] = {}
+
+    def chunks(mode: str) -> list[Any]:  # encoding is not timed: TTFT is measured inside answer()
+        if mode not in encoded:
+            encoded[mode] = engine.encode(texts, mode)
+        return encoded[mode]
+
+    def record(mode: str, chunk_list: list[Any], result: GenerationResult) -> QuestionRecord:
+        return make_record(
+            setting=todo[0][0],
+            dataset=example.dataset,
+            example_id=example.id,
+            mode=mode,
+            answers=example.answers,
+            context_tokens=sum(len(c.token_ids) for c in chunk_list),
+            result=result,
+            full=full,
+        )
+
+    # Full's first-token logits stay in memory while this example's modes run; after a resume the
+    # full prefill is simply recomputed (greedy, deterministic) rather than stored in the state file.
+    # Full prefill only reads the chunks' token ids, which no mode changes: reuse the first mode's encoding.
+    full_chunks = chunks(next((m for *_, m in todo if m != FULL), FULL_CHUNKS_MODE))
+    full = engine.answer_full(full_chunks, example.question, max_new_tokens=max_new_tokens)
+    for *_, mode in todo:
+        if mode == FULL:
+            yield record(FULL, full_chunks, full)
+        else:
+            result = engine.answer(chunks(mode), example.question, mode, max_new_tokens=max_new_tokens)
+            yield record(mode, chunks(mode), result)
+
+
+def load_state(path: str | Path) -> dict[Key, QuestionRecord]:
+    """Records of a state file keyed by (setting, dataset, id, mode); a missing file is empty.
+
+    A last line cut short by a crash is dropped from the file; any other unreadable line is an ``EvalError``.
+    """
+    path = Path(path)
+    if not path.is_file():
+        return {}
+    text = path.read_text(encoding="utf-8")
+    if text and not text.endswith("\n"):
+        logger.warning("dropping an unfinished last line of %s", path)
+        text = text[: text.rfind("\n") + 1]
+        path.write_text(text, encoding="utf-8")
+    names = {f.name for f in fields(QuestionRecord)}
+    records: dict[Key, QuestionRecord] = {}
+    for lineno, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        fix = "delete the file to start over"
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            msg = f"{path}:{lineno}: invalid JSON in the state file ({e.msg}); {fix}"
+            raise EvalError(msg) from e
+        if not isinstance(obj, dict) or set(obj) != names:
+            msg = f"{path}:{lineno}: not a question record of this pc-rag version; {fix}"
+            raise EvalError(msg)
+        record = QuestionRecord(**obj)
+        records[(record.setting, record.dataset, record.id, record.mode)] = record
+    return records
+
+
+@contextmanager
+def _appender(path: str | Path | None) -> Iterator[Callable[[QuestionRecord], None]]:
+    """A function that appends one record as a JSON line and flushes (a no-op without ``path``)."""
+    if path is None:
+        yield lambda record: None
+        return
+    with Path(path).open("a", encoding="utf-8") as f:
+
+        def append(record: QuestionRecord) -> None:
+            f.write(json.dumps(asdict(record), ensure_ascii=False) + "\n")
+            f.flush()
+
+        yield append
