@@ -20,8 +20,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("-v", "--verbose", action="store_true")
     commands = parser.add_subparsers(dest="command", required=True)
-    demo = commands.add_parser("demo", help="answer sample questions, cached vs full prefill")
+    demo = commands.add_parser("demo", help="build a store from sample passages and answer, cached vs full")
     demo.add_argument("--questions", type=int, default=4)
+    idx = commands.add_parser("index", help="add text, markdown or JSONL files to a document store")
+    idx.add_argument("paths", nargs="+")
+    idx.add_argument("--store", type=Path, required=True)
+    idx.add_argument("--chunk-tokens", type=int, default=256)
+    idx.add_argument("--overlap", type=int, default=32)
+    idx.add_argument("--mode", default="default", help="recovery mode the store encodes for")
+    idx.add_argument("--index-kind", default="flat", choices=["flat", "hnsw", "ivf"])
+    idx.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="KV storage")
+    idx.add_argument("--limit", type=int, default=None, help="index only the first N documents")
+    ask = commands.add_parser("ask", help="answer a question from a document store")
+    ask.add_argument("question")
+    ask.add_argument("--store", type=Path, required=True)
+    ask.add_argument("-k", type=int, default=5, help="chunks to retrieve")
+    ask.add_argument("--mode", default=None, help="recovery mode (default: the store's)")
+    ask.add_argument("--full", action="store_true", help="also answer by full prefill and print its TTFT")
+    ask.add_argument("--max-new-tokens", type=int, default=64)
     bench = commands.add_parser("bench", help="benchmarks")
     bench_kinds = bench.add_subparsers(dest="kind", required=True)
     ttft = bench_kinds.add_parser("ttft", help="TTFT of cached vs full prefill by context length")
@@ -45,16 +61,22 @@ def _run(args: argparse.Namespace) -> int:
     from pc_rag.model import DEFAULT_MODEL, load_model
 
     lm = load_model(args.model or DEFAULT_MODEL, device=args.device)
-    pc = PromptCache(lm)
-    if args.command == "demo":
-        from pc_rag.demo import run_demo
+    if args.command in ("demo", "index", "ask"):
+        from pc_rag import commands
 
-        run_demo(pc, args.questions)
+        if args.command == "demo":
+            commands.demo(lm, args.questions)
+        elif args.command == "index":
+            commands.index(lm, args.paths, args.store, chunk_tokens=args.chunk_tokens, overlap=args.overlap,
+                           mode=args.mode, index_kind=args.index_kind, dtype=args.dtype, limit=args.limit)  # fmt: skip
+        else:
+            commands.ask(lm, args.store, args.question, k=args.k, mode=args.mode, compare_full=args.full,
+                         max_new_tokens=args.max_new_tokens)  # fmt: skip
     elif args.command == "bench" and args.kind == "ttft":
         from pc_rag.bench import print_table, ttft_benchmark, write_json
 
         lengths = [int(t) for t in args.tokens.split(",") if t.strip()]
-        rows = ttft_benchmark(pc, lengths, runs=args.runs)
+        rows = ttft_benchmark(PromptCache(lm), lengths, runs=args.runs)
         print_table(rows)
         if args.json:
             write_json(rows, args.json)

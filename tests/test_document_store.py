@@ -12,7 +12,7 @@ from conftest import tiny_model
 from pc_rag.errors import StoreCorruptedError, StoreError, StoreMismatchError
 from pc_rag.rag import RagEngine, RagPrompt
 from pc_rag.store import as_embedder
-from pc_rag.store.document_store import DocumentStore
+from pc_rag.store.document_store import DocumentStore, module_text
 
 DOCS = [
     ("The Eiffel Tower is a wrought-iron tower in Paris. It was finished in 1889.", {"source": "eiffel.txt"}),
@@ -51,7 +51,7 @@ def test_search_returns_module_handles(tmp_path, engine: RagEngine) -> None:
     store = make_store(tmp_path, engine)
     handles = store.search("Which mountain is the highest of Japan?", k=2)
     assert handles[0].doc_id == "fuji" and handles[0].metadata == {"source": "fuji.txt"}
-    assert handles[0].n_tokens == len(engine.tokenize(handles[0].text)) and handles[0].score >= handles[1].score
+    assert handles[0].n_tokens == len(engine.tokenize(module_text(handles[0].text))) and handles[0].score >= handles[1].score
     assert len(store.search("anything", k=50)) == len(store)  # k beyond the store returns everything
 
 

@@ -175,7 +175,8 @@ class DocumentStore:
             chunk_ids = tuple(range(next_id, next_id + len(spans)))
             next_id += len(spans)
             for cid, span in zip(chunk_ids, spans, strict=True):
-                records[cid] = ChunkRecord(doc_id, span.text, span.n_tokens, span.start_char, span.end_char, meta)
+                n_tokens = len(self.engine.tokenize(module_text(span.text)))
+                records[cid] = ChunkRecord(doc_id, span.text, n_tokens, span.start_char, span.end_char, meta)
             self.manifest.docs[doc_id] = DocRecord(chunk_ids, hashlib.sha256(text.encode()).hexdigest(), meta)
         self._encode_and_index(records, progress)
         self.manifest.chunks.update(records)
@@ -188,10 +189,10 @@ class DocumentStore:
         bar = tqdm(total=len(items), desc="encoding chunks", unit="chunk", disable=not progress)
         for i in range(0, len(items), batch):
             part = items[i : i + batch]
-            texts = [r.text for _, r in part]
+            texts = [module_text(r.text) for _, r in part]
             chunks = self.engine.encode_token_ids([self.engine.tokenize(t) for t in texts], conditioned, texts)
             self.kv.put_many({cid: chunk.kv for (cid, _), chunk in zip(part, chunks, strict=True)})
-            self.index.add([cid for cid, _ in part], self.embedder.embed_documents(texts))
+            self.index.add([cid for cid, _ in part], self.embedder.embed_documents([r.text for _, r in part]))
             bar.update(len(part))
         bar.close()
 
@@ -233,10 +234,11 @@ class DocumentStore:
         """The engine chunks (token ids and KV) behind ``handles``, in the given order."""
         conditioned = MODES[self.mode].conditioned
         spans = self.kv.get_many([h.chunk_id for h in handles])
-        return [
-            Chunk(h.text, tuple(self.engine.tokenize(h.text)), kv, conditioned)
-            for h, kv in zip(handles, spans, strict=True)
-        ]
+        out = []
+        for handle, kv in zip(handles, spans, strict=True):
+            text = module_text(handle.text)
+            out.append(Chunk(text, tuple(self.engine.tokenize(text)), kv, conditioned))
+        return out
 
     def answer(self, question: str, k: int = 5, mode: str | None = None, **kwargs: object) -> Answer:
         """Retrieve ``k`` chunks and answer from their cached KV (``mode`` defaults to the store's)."""
@@ -254,6 +256,11 @@ class DocumentStore:
         """Persist index then manifest (the manifest is the commit point; KV shards are already on disk)."""
         self.index.save(self.directory / INDEX_NAME)
         self.manifest.save(self.directory / MANIFEST_NAME)
+
+
+def module_text(chunk: str) -> str:
+    """The text a chunk is encoded as: the chunk, then a blank line separating it from the next one."""
+    return chunk.strip() + "\n\n"
 
 
 def _identity(
