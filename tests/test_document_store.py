@@ -51,7 +51,10 @@ def test_search_returns_module_handles(tmp_path, engine: RagEngine) -> None:
     store = make_store(tmp_path, engine)
     handles = store.search("Which mountain is the highest of Japan?", k=2)
     assert handles[0].doc_id == "fuji" and handles[0].metadata == {"source": "fuji.txt"}
-    assert handles[0].n_tokens == len(engine.tokenize(module_text(handles[0].text))) and handles[0].score >= handles[1].score
+    assert (
+        handles[0].n_tokens == len(engine.tokenize(module_text(handles[0].text)))
+        and handles[0].score >= handles[1].score
+    )
     assert len(store.search("anything", k=50)) == len(store)  # k beyond the store returns everything
 
 

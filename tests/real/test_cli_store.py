@@ -1,0 +1,48 @@
+"""``pc-rag index`` and ``ask`` end to end with SmolLM2: answers with sources, and bad input exits non-zero."""
+
+from __future__ import annotations
+
+import pytest
+
+from pc_rag.cli import main
+from pc_rag.store.manifest import MANIFEST_NAME
+
+pytestmark = pytest.mark.real_model
+
+
+@pytest.fixture
+def corpus(tmp_path):
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "eiffel.txt").write_text("The Eiffel Tower in Paris was designed by Gustave Eiffel's company.")
+    (tmp_path / "docs" / "fuji.md").write_text("Mount Fuji is the highest mountain in Japan.")
+    return tmp_path
+
+
+def test_index_then_ask(corpus, capsys) -> None:
+    store = corpus / "store"
+    assert main(["index", str(corpus / "docs"), "--store", str(store)]) == 0
+    assert "indexed 2 documents" in capsys.readouterr().out
+    assert (
+        main(["ask", "--store", str(store), "-k", "2", "--max-new-tokens", "8", "--full", "Who designed the tower?"])
+        == 0
+    )
+    out = capsys.readouterr().out
+    assert "sources:" in out and "eiffel.txt" in out and "ms cached" in out and "ms full prefill" in out
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["ask", "--store", "{tmp}/nowhere", "q"], "not a pc-rag store"),
+        (["ask", "--store", "{tmp}/store", "-k", "9", "q"], "larger than the store"),
+        (["ask", "--store", "{tmp}/store", "-k", "2", "word " * 9000], "exceeds"),
+        (["index", "{tmp}/binary.txt", "--store", "{tmp}/other"], "looks binary"),
+    ],
+)
+def test_bad_input_exits_non_zero(corpus, capsys, args: list[str], message: str) -> None:
+    assert main(["index", str(corpus / "docs"), "--store", str(corpus / "store")]) == 0
+    (corpus / "binary.txt").write_bytes(b"\x00\x00\x00")
+    capsys.readouterr()
+    assert main([a.replace("{tmp}", str(corpus)) for a in args]) == 2
+    assert message in capsys.readouterr().err
+    assert not (corpus / "other" / MANIFEST_NAME).exists()  # nothing written half-way
