@@ -17,6 +17,7 @@ from typing import Literal
 import torch
 
 from pc_rag.assemble import forward_new_tokens, splice
+from pc_rag.baseline import serve_full
 from pc_rag.chat import ChatWrappers, chat_wrappers
 from pc_rag.encode import encode_spans
 from pc_rag.errors import ContextLengthError, UnknownSchemaError
@@ -240,17 +241,7 @@ class PromptCache:
         self, ids: list[int], params: SamplingParams | None, **kwargs: object
     ) -> Iterator[str | GenerationResult]:
         params = replace(params or SamplingParams(), **kwargs)  # type: ignore[arg-type]
-        if len(ids) + 1 > self.lm.max_positions:
-            msg = f"prompt of {len(ids)} tokens exceeds the model's {self.lm.max_positions} positions"
-            raise ContextLengthError(msg)
-        watch = Stopwatch()
-        buffer = self._buffers.acquire(len(ids) + params.max_new_tokens)
-        try:
-            logits, cache = forward_new_tokens(self.lm.model, buffer, 0, ids, range(len(ids)))
-            tokens = decode_tokens(self.lm.model, cache, logits, len(ids), params, self._stop_ids)
-            yield from run_generation(tokens, self.lm.tokenizer, params, watch, logits, 0, len(ids))
-        finally:
-            self._buffers.release(buffer)
+        return serve_full(self.lm, self._buffers, ids, params, self._stop_ids)
 
 
 def _empty_kv(lm: LoadedModel, dtype: torch.dtype) -> SpanKV:

@@ -16,6 +16,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from pc_rag.assemble import forward_new_tokens, splice
+from pc_rag.baseline import serve_full
 from pc_rag.chat import chat_wrappers
 from pc_rag.encode import encode_spans
 from pc_rag.errors import ContextLengthError, PCRagError
@@ -129,15 +130,7 @@ class RagEngine:
         """Baseline: full prefill of the same tokens, then the same decoding."""
         params = replace(SamplingParams(), **kwargs)  # type: ignore[arg-type]
         ids = self.full_ids(chunks, question)
-        self._check_length(len(ids))
-        watch = Stopwatch()
-        buffer = self._buffers.acquire(len(ids) + params.max_new_tokens)
-        try:
-            logits, cache = forward_new_tokens(self.lm.model, buffer, 0, ids, range(len(ids)))
-            tokens = decode_tokens(self.lm.model, cache, logits, len(ids), params, self._stop_ids)
-            return collect(run_generation(tokens, self.lm.tokenizer, params, watch, logits, 0, len(ids)))
-        finally:
-            self._buffers.release(buffer)
+        return collect(serve_full(self.lm, self._buffers, ids, params, self._stop_ids))
 
     def _serve(
         self, chunks: Sequence[Chunk], question: str, mode: RecoveryMode, **kwargs: object
