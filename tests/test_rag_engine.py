@@ -110,3 +110,25 @@ def test_unknown_mode_is_a_clear_error(engines: dict[str, RagEngine]) -> None:
 
     with pytest.raises(PCRagError, match="unknown recovery mode"):
         engines["llama"].encode(TEXTS, "bogus")
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_deviation_probe_is_zero_on_an_exact_cache(engines: dict[str, RagEngine], arch: str) -> None:
+    from pc_rag.rag.select import kv_deviation
+
+    engine = engines[arch]
+    chunks = engine.encode(TEXTS, "naive")
+    ids = [t for c in chunks for t in c.token_ids]
+    head = len(engine.head_ids)
+    exact = allocate(engine.lm.model, head + len(ids))
+    with torch.inference_mode():  # a full prefill: every cached value is what full attention gives
+        engine.lm.model(input_ids=torch.tensor([[*engine.head_ids, *ids]]), past_key_values=exact.cache(0))
+    positions = range(head, head + len(ids))
+    assert float(kv_deviation(engine.lm.model, exact, head, ids, positions, 1).max()) < 1e-4
+    spliced = allocate(engine.lm.model, head + len(ids))
+    parts = [(engine.head_kv, 0)]
+    starts = [head + sum(c.kv.length for c in chunks[:i]) for i in range(len(chunks))]
+    parts += [(c.kv, s - int(c.kv.positions[0])) for c, s in zip(chunks, starts, strict=True)]
+    splice(spliced, engine.lm.rope, parts)
+    deviation = kv_deviation(engine.lm.model, spliced, head, ids, positions, 1)
+    assert float(deviation.min()) > 1e-3  # naive chunks missed the head and the chunks before them

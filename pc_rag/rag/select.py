@@ -1,10 +1,12 @@
 """Choose which chunk tokens to recompute: each chunk's first tokens, and the most deviating ones.
 
-Deviation follows CacheBlend: run the first ``probe_layer + 1`` layers over the
-assembled prompt with full attention and compare each chunk token's fresh
-key/value at ``probe_layer`` with the spliced one; the tokens whose KV moved
-most are the ones cross-chunk attention matters for. This module knows nothing
-about prompts or generation.
+Deviation follows CacheBlend: run the network over the assembled prompt with
+full attention up to the value projection of ``probe_layer`` (the forward stops
+there) and compare each chunk token's fresh value with the spliced one; the
+tokens whose values moved most are the ones cross-chunk attention matters for.
+Values are compared rather than keys because they are cached exactly as
+projected (no RoPE, no norm), in every supported architecture. This module
+knows nothing about prompts or generation.
 """
 
 from __future__ import annotations
@@ -33,10 +35,11 @@ def kv_deviation(
     positions: Sequence[int],
     probe_layer: int,
 ) -> torch.Tensor:
-    """Per-token L2 deviation [N] at ``probe_layer`` between fresh and spliced KV of cache entries ``head..head+N``.
+    """Per-token L2 deviation [N] at ``probe_layer`` between fresh and spliced values of entries ``head..head+N``.
 
-    The fresh KV comes from the first ``probe_layer + 1`` layers run over the
-    ``N`` tokens after the (exact) head, with causal attention.
+    The fresh values come from the first ``probe_layer`` layers run over the ``N``
+    tokens after the (exact) head with causal attention, then ``probe_layer``'s
+    value projection; the forward is stopped there.
     """
     decoder = model.get_decoder()
     layers = decoder.layers
@@ -50,7 +53,14 @@ def kv_deviation(
     for i, layer in enumerate(probe):
         layer.update(buffer.keys[i][:, :, :head], buffer.values[i][:, :, :head])
     device = buffer.keys.device
-    decoder.layers = nn.ModuleList(layers[: probe_layer + 1])  # run only the probe's prefix of the network
+    captured: list[torch.Tensor] = []
+
+    def stop_after_values(module: nn.Module, inputs: object, output: torch.Tensor) -> None:
+        captured.append(output)
+        raise _ProbeDone
+
+    hook = layers[probe_layer].self_attn.v_proj.register_forward_hook(stop_after_values)
+    decoder.layers = nn.ModuleList(layers[: probe_layer + 1])  # never run what follows the probe
     try:
         decoder(
             input_ids=torch.tensor([list(ids)], device=device),
@@ -58,13 +68,18 @@ def kv_deviation(
             past_key_values=Cache(layers=probe),
             use_cache=True,
         )
+    except _ProbeDone:
+        pass
     finally:
         decoder.layers = layers
-    fresh_k, fresh_v = probe[probe_layer].keys[:, :, head:], probe[probe_layer].values[:, :, head:]
-    old_k = buffer.keys[probe_layer][:, :, head : head + n]
-    old_v = buffer.values[probe_layer][:, :, head : head + n]
-    # [B, H, N, D] -> [N]: deviation summed over heads and batch
-    return ((fresh_k - old_k).square().sum((-1, 1, 0)) + (fresh_v - old_v).square().sum((-1, 1, 0))).sqrt()
+        hook.remove()
+    old_v = buffer.values[probe_layer][:, :, head : head + n]  # [B, H_kv, N, D]
+    fresh_v = captured[0].view(old_v.shape[0], n, old_v.shape[1], old_v.shape[3]).transpose(1, 2)
+    return (fresh_v - old_v).square().sum((-1, 1, 0)).sqrt()  # [N]: summed over heads and batch
+
+
+class _ProbeDone(Exception):
+    """Raised by the probe's hook once the probe layer's values exist: the rest of the forward is not needed."""
 
 
 def top_indices(deviation: torch.Tensor, count: int, offset: int, exclude: set[int]) -> list[int]:
