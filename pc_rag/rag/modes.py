@@ -14,8 +14,8 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class RecoveryMode:
     """``conditioned``: chunks attend to the preamble when encoded. ``edge``: recompute each chunk's first
-    ``edge`` tokens. ``ratio``: also recompute that share of chunk tokens with the largest KV deviation
-    (CacheBlend), measured at layer ``probe_layer``."""
+    ``edge`` tokens. ``ratio``: also recompute that share of chunk tokens with the largest value deviation
+    (CacheBlend), measured on the values of layer ``probe_layer``."""
 
     name: str
     conditioned: bool = True
