@@ -61,8 +61,9 @@ class EncodedSchema:
 
 @dataclass
 class _Request:
-    """What serving one prompt needs: the plan and the spans' KV in cache order."""
+    """What serving one prompt needs: its schema's layout, the plan and the spans' KV in cache order."""
 
+    layout: SchemaLayout
     plan: ServePlan
     parts: list[SpanKV]
 
@@ -177,7 +178,7 @@ class PromptCache:
             joint = encoded.scaffolds.get(scaffold) if scaffold else None
             use_joint = joint is not None and imported.issuperset(joint)
             parts.append(joint[name] if use_joint else encoded.kv[name])
-        return _Request(plan, parts)
+        return _Request(encoded.layout, plan, parts)
 
     def plan(self, prompt: Prompt | str) -> ServePlan:
         """Validate and plan ``prompt`` without running the model."""
@@ -186,12 +187,8 @@ class PromptCache:
     def full_prompt_ids(self, prompt: Prompt | str) -> list[int]:
         """The plain token sequence equivalent to ``prompt``: spans and computed tokens in position order."""
         request = self._request(prompt)
-        encoded = self.schemas[(parse_prompt(prompt) if isinstance(prompt, str) else prompt).schema]
-        tokens = [
-            (p, i)
-            for n in request.plan.spans
-            for i, p in zip(encoded.layout.spans[n].token_ids, encoded.layout.spans[n].positions, strict=True)
-        ]
+        spans = [request.layout.spans[n] for n in request.plan.spans]
+        tokens = [(p, i) for span in spans for i, p in zip(span.token_ids, span.positions, strict=True)]
         tokens += list(zip(request.plan.new_positions, request.plan.new_ids, strict=True))
         return [i for _, i in sorted(tokens, key=lambda t: t[0])]
 

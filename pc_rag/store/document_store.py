@@ -171,26 +171,29 @@ class DocumentStore:
         self.delete([doc_id for doc_id in ids if doc_id in self.manifest.docs], save=False)
         next_id = self.manifest.next_chunk_id()
         records: dict[int, ChunkRecord] = {}
+        token_ids: dict[int, list[int]] = {}  # tokenized once: counted for the manifest, then encoded
         for doc_id, text, meta, spans in pieces:
             chunk_ids = tuple(range(next_id, next_id + len(spans)))
             next_id += len(spans)
             for cid, span in zip(chunk_ids, spans, strict=True):
-                n_tokens = len(self.engine.tokenize(module_text(span.text)))
-                records[cid] = ChunkRecord(doc_id, span.text, n_tokens, span.start_char, span.end_char, meta)
+                token_ids[cid] = self.engine.tokenize(module_text(span.text))
+                records[cid] = ChunkRecord(doc_id, span.text, len(token_ids[cid]), span.start_char, span.end_char, meta)
             self.manifest.docs[doc_id] = DocRecord(chunk_ids, hashlib.sha256(text.encode()).hexdigest(), meta)
-        self._encode_and_index(records, progress)
+        self._encode_and_index(records, token_ids, progress)
         self.manifest.chunks.update(records)
         self.save()
         return ids
 
-    def _encode_and_index(self, records: dict[int, ChunkRecord], progress: bool, batch: int = 32) -> None:
+    def _encode_and_index(
+        self, records: dict[int, ChunkRecord], token_ids: dict[int, list[int]], progress: bool, batch: int = 32
+    ) -> None:
         conditioned = MODES[self.mode].conditioned
         items = sorted(records.items(), key=lambda kv: kv[1].n_tokens)  # similar lengths batch with little padding
         bar = tqdm(total=len(items), desc="encoding chunks", unit="chunk", disable=not progress)
         for i in range(0, len(items), batch):
             part = items[i : i + batch]
             texts = [module_text(r.text) for _, r in part]
-            chunks = self.engine.encode_token_ids([self.engine.tokenize(t) for t in texts], conditioned, texts)
+            chunks = self.engine.encode_token_ids([token_ids[cid] for cid, _ in part], conditioned, texts)
             self.kv.put_many({cid: chunk.kv for (cid, _), chunk in zip(part, chunks, strict=True)})
             self.index.add([cid for cid, _ in part], self.embedder.embed_documents([r.text for _, r in part]))
             bar.update(len(part))
