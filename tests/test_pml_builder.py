@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from pml_examples import PROMPT_XML, TRAVEL_XML
 
 from pc_rag.errors import DuplicateNameError, InvalidNameError, PMLError, PMLStructureError
 from pc_rag.pml import (
@@ -27,20 +28,6 @@ from pc_rag.pml import (
     union,
     use,
     user,
-)
-
-TRAVEL_XML = """<schema name="travel">
-  <system>You are a helpful travel agent.</system>
-  <module name="plan">Plan a trip of <param name="duration" len="4"/> for the user.</module>
-  <union>
-    <module name="tokyo">Tokyo is the capital of Japan ...</module>
-    <module name="paris">Paris is the capital of France ...</module>
-  </union>
-  <scaffold name="pair"><module name="a">A text</module><module name="b">B text</module></scaffold>
-</schema>"""
-
-PROMPT_XML = (
-    '<prompt schema="travel"><plan duration="3 days"/><tokyo/><user>Highlight the food markets.</user></prompt>'
 )
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from pml_examples import PROMPT_XML, TRAVEL_XML
 
 from pc_rag.errors import (
     DuplicateNameError,
@@ -27,16 +28,6 @@ from pc_rag.pml import (
     parse_schema,
 )
 
-TRAVEL = """<schema name="travel">
-  <system>You are a helpful travel agent.</system>
-  <module name="plan">Plan a trip of <param name="duration" len="4"/> for the user.</module>
-  <union>
-    <module name="tokyo">Tokyo is the capital of Japan ...</module>
-    <module name="paris">Paris is the capital of France ...</module>
-  </union>
-  <scaffold name="pair"><module name="a">A text</module><module name="b">B text</module></scaffold>
-</schema>"""
-
 TRAVEL_NODES = Schema(
     "travel",
     (
@@ -54,14 +45,11 @@ TRAVEL_NODES = Schema(
 
 
 def test_travel_schema_parses_to_the_expected_nodes() -> None:
-    assert parse_schema(TRAVEL) == TRAVEL_NODES
+    assert parse_schema(TRAVEL_XML) == TRAVEL_NODES
 
 
 def test_travel_prompt_parses_to_the_expected_nodes() -> None:
-    source = (
-        '<prompt schema="travel"><plan duration="3 days"/><tokyo/><user>Highlight the food markets.</user></prompt>'
-    )
-    assert parse_prompt(source) == Prompt(
+    assert parse_prompt(PROMPT_XML) == Prompt(
         "travel",
         (
             Import("plan", (("duration", "3 days"),)),
@@ -218,18 +206,6 @@ SCHEMA_ERRORS = [
 ]
 
 
-@pytest.mark.parametrize(
-    ("source", "error", "line", "name"), [c[1:] for c in SCHEMA_ERRORS], ids=[c[0] for c in SCHEMA_ERRORS]
-)
-def test_schema_errors(source: str, error: type[PMLError], line: int | None, name: str | None) -> None:
-    with pytest.raises(error) as caught:
-        parse_schema(source)
-    assert type(caught.value) is error
-    assert caught.value.line == line
-    if name is not None:
-        assert caught.value.name == name
-
-
 PROMPT_ERRORS = [
     ("malformed", "<prompt schema='s'>\n<a></b></prompt>", PMLSyntaxError, 2, None),
     ("doctype", "<!DOCTYPE prompt>\n<prompt schema='s'/>", PMLSyntaxError, 1, None),
@@ -245,12 +221,17 @@ PROMPT_ERRORS = [
 ]
 
 
+ERROR_CASES = [(parse_schema, *case) for case in SCHEMA_ERRORS] + [(parse_prompt, *case) for case in PROMPT_ERRORS]
+
+
 @pytest.mark.parametrize(
-    ("source", "error", "line", "name"), [c[1:] for c in PROMPT_ERRORS], ids=[c[0] for c in PROMPT_ERRORS]
+    ("parse", "source", "error", "line", "name"),
+    [(c[0], *c[2:]) for c in ERROR_CASES],
+    ids=[f"{c[0].__name__.removeprefix('parse_')}-{c[1]}" for c in ERROR_CASES],
 )
-def test_prompt_errors(source: str, error: type[PMLError], line: int | None, name: str | None) -> None:
+def test_errors(parse, source: str, error: type[PMLError], line: int | None, name: str | None) -> None:
     with pytest.raises(error) as caught:
-        parse_prompt(source)
+        parse(source)
     assert type(caught.value) is error
     assert caught.value.line == line
     if name is not None:
