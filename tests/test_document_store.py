@@ -9,7 +9,7 @@ import pytest
 import torch
 from conftest import tiny_model
 
-from pc_rag.errors import StoreCorruptedError, StoreError, StoreMismatchError
+from pc_rag.errors import PCRagError, StoreCorruptedError, StoreError, StoreMismatchError
 from pc_rag.rag import RagEngine, RagPrompt
 from pc_rag.store import as_embedder
 from pc_rag.store.document_store import DocumentStore, module_text
@@ -124,3 +124,30 @@ def test_corrupted_shard_is_named(tmp_path, engine: RagEngine) -> None:
     store = DocumentStore.load(tmp_path / "store", engine, embedder=embedder())
     with pytest.raises(StoreCorruptedError, match=shard.name):
         store.answer("Where is the Eiffel Tower?", k=3, max_new_tokens=1)
+
+
+def test_prompt_with_module_references_splices_the_stored_chunks(tmp_path, engine: RagEngine) -> None:
+    store = make_store(tmp_path, engine)
+    handles = store.search("Which mountain is the highest of Japan?", k=2)
+    refs = "\n".join(store.module_ref(h) for h in handles)
+    prompt = f"{engine.prompt.preamble}{refs}\nQuestion: Which mountain?\nAnswer:"
+    cached = store.stream_prompt(prompt, mode="prefix", max_new_tokens=4)  # no recompute: every chunk token reused
+    cached_text = "".join(cached)
+    stats = cached.result.stats
+    assert stats.cached_tokens == len(engine.head_ids) + sum(h.n_tokens for h in handles)  # nothing recomputed
+    full = store.stream_prompt(prompt, full=True, max_new_tokens=4)
+    assert "".join(full) and full.result.stats.cached_tokens == 0
+    assert cached_text == cached.result.text
+
+
+def test_plain_prompt_and_foreign_references(tmp_path, engine: RagEngine) -> None:
+    store = make_store(tmp_path, engine)
+    plain = store.stream_prompt("Where is the Eiffel Tower?", max_new_tokens=3)
+    list(plain)
+    assert plain.result.stats.cached_tokens == 0 and plain.result.stats.computed_tokens > 0
+    with pytest.raises(StoreError, match="references chunks of store"):
+        store.stream_prompt('<pc-rag-module store="abc123" chunk="0"/>Q?')
+    with pytest.raises(StoreError, match="chunk 999 is not in the store"):
+        store.stream_prompt(f'<pc-rag-module store="{store.store_id}" chunk="999"/>Q?')
+    with pytest.raises(PCRagError, match="sits between module references"):
+        store.stream_prompt(f"{store.module_ref(store.handle(0))} and {store.module_ref(store.handle(1))}")

@@ -30,7 +30,7 @@ from pc_rag.generate import (
     eos_ids,
     run_generation,
 )
-from pc_rag.kv import BufferPool, SpanKV
+from pc_rag.kv import BufferPool, KVBuffer, SpanKV
 from pc_rag.model import LoadedModel
 from pc_rag.rag.modes import MODES, RecoveryMode
 from pc_rag.rag.prompt import RagPrompt
@@ -111,34 +111,73 @@ class RagEngine:
 
     def full_ids(self, chunks: Sequence[Chunk], question: str) -> list[int]:
         """The plain prompt: head, chunk tokens and question tokens, tokenized piecewise."""
-        tail = self.tokenize(self.prompt.tail(self.wrappers, question))
-        return [*self.head_ids, *(t for c in chunks for t in c.token_ids), *tail]
+        return self._full_ids(self._request(chunks, question))
 
     def answer(
         self, chunks: Sequence[Chunk], question: str, mode: str | RecoveryMode = "default", **kwargs: object
     ) -> GenerationResult:
         """Answer from cached chunks with ``mode``'s recovery; kwargs are ``SamplingParams`` fields."""
-        return collect(self._serve(chunks, question, _mode(mode), **kwargs))
+        return collect(self._serve(self._request(chunks, question), _mode(mode), **kwargs))
 
     def stream(
         self, chunks: Sequence[Chunk], question: str, mode: str | RecoveryMode = "default", **kwargs: object
     ) -> ReplyStream:
         """Like ``answer``, streaming text deltas; ``.result`` is set at the end."""
-        return ReplyStream(self._serve(chunks, question, _mode(mode), **kwargs))
+        return ReplyStream(self._serve(self._request(chunks, question), _mode(mode), **kwargs))
 
     def answer_full(self, chunks: Sequence[Chunk], question: str, **kwargs: object) -> GenerationResult:
         """Baseline: full prefill of the same tokens, then the same decoding."""
-        params = replace(SamplingParams(), **kwargs)  # type: ignore[arg-type]
-        ids = self.full_ids(chunks, question)
-        return collect(serve_full(self.lm, self._buffers, ids, params, self._stop_ids))
+        return collect(self._serve_full(self._full_ids(self._request(chunks, question)), **kwargs))
 
-    def _serve(
-        self, chunks: Sequence[Chunk], question: str, mode: RecoveryMode, **kwargs: object
-    ) -> Iterator[str | GenerationResult]:
+    def stream_around(
+        self,
+        before: str,
+        chunks: Sequence[Chunk],
+        after: str,
+        mode: str | RecoveryMode | None = "default",
+        **kwargs: object,
+    ) -> ReplyStream:
+        """Serve a user turn of free text ``before`` the chunks and ``after`` them (the question).
+
+        ``before`` equal to the prompt's preamble reuses its cached KV; other text is
+        computed for this request (the chunks were still encoded after the preamble).
+        ``mode=None`` serves the same tokens by full prefill. Without chunks the turn is
+        plain text and is always served by full prefill.
+        """
+        request = self._request_around(before, chunks, after)
+        if mode is None or not chunks:
+            return ReplyStream(self._serve_full(self._full_ids(request), **kwargs))
+        return ReplyStream(self._serve(request, _mode(mode), **kwargs))
+
+    def _request(self, chunks: Sequence[Chunk], question: str) -> _Request:
+        tail = self.tokenize(self.prompt.tail(self.wrappers, question))
+        return _Request(self.head_ids, self.head_kv, tuple(chunks), tuple(tail))
+
+    def _request_around(self, before: str, chunks: Sequence[Chunk], after: str) -> _Request:
+        if before == self.prompt.preamble:
+            head_ids, head_kv = self.head_ids, self.head_kv
+        else:
+            head_ids = tuple(self.tokenize(self.prompt.head(self.wrappers, before)))
+            head_kv = None
+        tail = self.tokenize(after + self.wrappers.close["user"] + self.wrappers.generation_prompt)
+        return _Request(head_ids, head_kv, tuple(chunks), tuple(tail))
+
+    def _full_ids(self, request: _Request) -> list[int]:
+        return [*request.head_ids, *(t for c in request.chunks for t in c.token_ids), *request.tail_ids]
+
+    def _serve_full(self, ids: Sequence[int], **kwargs: object) -> Iterator[str | GenerationResult]:
+        params = replace(SamplingParams(), **kwargs)  # type: ignore[arg-type]
+        return serve_full(self.lm, self._buffers, ids, params, self._stop_ids)
+
+    def _serve(self, request: _Request, mode: RecoveryMode, **kwargs: object) -> Iterator[str | GenerationResult]:
         params = replace(SamplingParams(), **kwargs)  # type: ignore[arg-type]
         watch = Stopwatch()
-        tail = self.tokenize(self.prompt.tail(self.wrappers, question))
-        head = len(self.head_ids)
+        chunks, tail = request.chunks, request.tail_ids
+        head_kv = request.head_kv
+        if head_kv is None:  # a preamble of this request's own: computed now, counted in TTFT
+            ids = request.head_ids
+            head_kv = encode_spans(self.lm.model, [(ids, range(len(ids)))])[0]
+        head = len(request.head_ids)
         slots, cursor = [], head
         for chunk in chunks:
             slots.append((cursor, chunk.kv.length))
@@ -148,12 +187,12 @@ class RagEngine:
         selected = self._selection_budget(mode, slots)
         buffer = self._buffers.acquire(total + selected + len(tail) + params.max_new_tokens)
         try:
-            parts = [(self.head_kv, 0)]
+            parts = [(head_kv, 0)]
             parts += [(c.kv, start - int(c.kv.positions[0])) for c, (start, _) in zip(chunks, slots, strict=True)]
             splice(buffer, self.lm.rope, parts)
             tail_positions = range(total, total + len(tail))
             ids = [t for c in chunks for t in c.token_ids]
-            chosen = self._select(mode, buffer, slots, ids, total)
+            chosen = self._select(mode, buffer, head, slots, ids, total)
             if chosen:
                 chosen_ids = [ids[i - head] for i in chosen]
                 logits, cache = recompute_and_prefill(
@@ -162,7 +201,8 @@ class RagEngine:
             else:
                 logits, cache = forward_new_tokens(self.lm.model, buffer, total, tail, tail_positions)
             tokens = decode_tokens(self.lm.model, cache, logits, total + len(tail), params, self._stop_ids)
-            counts = (total - len(chosen), len(chosen) + len(tail))
+            own_head = head if request.head_kv is None else 0
+            counts = (total - len(chosen) - own_head, len(chosen) + len(tail) + own_head)  # (cached, computed)
             yield from run_generation(tokens, self.lm.tokenizer, params, watch, logits, *counts)
         finally:
             self._buffers.release(buffer)
@@ -172,12 +212,17 @@ class RagEngine:
         return len(edge_indices(slots, mode.edge)) + round(mode.ratio * n)
 
     def _select(
-        self, mode: RecoveryMode, buffer: object, slots: Sequence[tuple[int, int]], ids: Sequence[int], total: int
+        self,
+        mode: RecoveryMode,
+        buffer: KVBuffer,
+        head: int,
+        slots: Sequence[tuple[int, int]],
+        ids: Sequence[int],
+        total: int,
     ) -> list[int]:
         """Cache indices to recompute (sorted): edge tokens, then the largest KV deviations."""
         chosen = set(edge_indices(slots, mode.edge))
         if mode.ratio > 0 and ids:
-            head = len(self.head_ids)
             deviation = kv_deviation(self.lm.model, buffer, head, ids, range(head, total), mode.probe_layer)
             chosen.update(top_indices(deviation, round(mode.ratio * len(ids)), head, chosen))
         return sorted(chosen)
@@ -186,6 +231,16 @@ class RagEngine:
         if tokens + 1 > self.lm.max_positions:
             msg = f"prompt of {tokens} tokens exceeds the model's {self.lm.max_positions} positions"
             raise ContextLengthError(msg)
+
+
+@dataclass(frozen=True)
+class _Request:
+    """What one answer serves: head tokens (and their KV when cached), chunks, then computed tail tokens."""
+
+    head_ids: tuple[int, ...]
+    head_kv: SpanKV | None
+    chunks: tuple[Chunk, ...]
+    tail_ids: tuple[int, ...]
 
 
 def _mode(mode: str | RecoveryMode) -> RecoveryMode:

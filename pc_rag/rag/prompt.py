@@ -37,9 +37,11 @@ class RagPrompt:
             passage_template="Passage {index}:\n{title}\n{text}\n\n",
         )
 
-    def head(self, wrappers: ChatWrappers) -> str:
-        """Everything before the first document: system turn and the opening of the user turn."""
-        return wrappers.wrap("system", self.system) + wrappers.open["user"] + self.preamble
+    def head(self, wrappers: ChatWrappers, preamble: str | None = None) -> str:
+        """Everything before the first document: system turn, the opening of the user turn, the preamble."""
+        return wrappers.wrap("system", self.system) + wrappers.open["user"] + (
+            self.preamble if preamble is None else preamble
+        )
 
     def tail(self, wrappers: ChatWrappers, question: str) -> str:
         """Everything after the last document: the question, the end of the user turn, the reply opener."""

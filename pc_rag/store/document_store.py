@@ -21,8 +21,9 @@ import torch
 from tqdm.auto import tqdm
 
 from pc_rag.errors import StoreError
-from pc_rag.generate import GenerationResult
+from pc_rag.generate import GenerationResult, ReplyStream
 from pc_rag.rag.engine import Chunk, RagEngine
+from pc_rag.rag.markers import module_ref, split_module_prompt
 from pc_rag.rag.modes import MODES
 from pc_rag.store.chunking import split_text
 from pc_rag.store.embeddings import Embedder, SentenceTransformerEmbedder, as_embedder
@@ -225,13 +226,8 @@ class DocumentStore:
             msg = f"k must be at least 1, got {k}"
             raise StoreError(msg)
         hits = self.index.search(self.embedder.embed_query(query), k) if len(self.index) else []
-        out = []
-        for cid, score in hits:
-            record = self.manifest.chunks.get(cid)
-            if record is None:  # indexed by an interrupted write that never reached the manifest
-                continue
-            out.append(ModuleHandle(cid, score, record.n_tokens, record.text, record.doc_id, dict(record.metadata)))
-        return out
+        # a hit missing from the manifest was indexed by an interrupted write that never reached it
+        return [self.handle(cid, score) for cid, score in hits if cid in self.manifest.chunks]
 
     def chunks(self, handles: Sequence[ModuleHandle]) -> list[Chunk]:
         """The engine chunks (token ids and KV) behind ``handles``, in the given order."""
@@ -254,6 +250,42 @@ class DocumentStore:
         handles = self.search(question, k)
         result = self.engine.answer_full(self.chunks(handles), question, **kwargs)
         return Answer(result.text, tuple(handles), result)
+
+    @property
+    def store_id(self) -> str:
+        """Names this store in module references (see ``pc_rag.rag.markers``): its resolved directory, hashed."""
+        return hashlib.sha256(str(self.directory.resolve()).encode()).hexdigest()[:12]
+
+    def module_ref(self, handle: ModuleHandle) -> str:
+        """The text a prompt carries in place of ``handle``'s chunk."""
+        return module_ref(self.store_id, handle.chunk_id)
+
+    def handle(self, chunk_id: int, score: float = 0.0) -> ModuleHandle:
+        """The handle of a stored chunk; ``StoreError`` if the store has no such chunk."""
+        record = self.manifest.chunks.get(chunk_id)
+        if record is None:
+            msg = f"chunk {chunk_id} is not in the store at {self.directory} (deleted, or from another store)"
+            raise StoreError(msg)
+        return ModuleHandle(chunk_id, score, record.n_tokens, record.text, record.doc_id, dict(record.metadata))
+
+    def stream_prompt(
+        self, prompt: str, mode: str | None = None, *, full: bool = False, **kwargs: object
+    ) -> ReplyStream:
+        """Serve a user-turn prompt carrying module references (or none: plain text, by full prefill).
+
+        The text before the references replaces the preamble, the text after them is
+        computed as the question. ``full=True`` serves the same tokens by full prefill.
+        References to another store or to unknown chunks raise ``StoreError``.
+        """
+        parsed = split_module_prompt(prompt)
+        foreign = sorted({store for store, _ in parsed.refs if store != self.store_id})
+        if foreign:
+            msg = f"the prompt references chunks of store(s) {foreign}, but this store is {self.store_id}"
+            raise StoreError(msg)
+        chunks = self.chunks([self.handle(cid) for _, cid in parsed.refs])
+        return self.engine.stream_around(
+            parsed.before, chunks, parsed.after, None if full else (mode or self.mode), **kwargs
+        )
 
     def save(self) -> None:
         """Persist index then manifest (the manifest is the commit point; KV shards are already on disk)."""
