@@ -1,0 +1,38 @@
+"""The adapters' shared entry point picks the right path for PML, module-reference and plain prompts."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import tiny_model
+
+from pc_rag.engine import PromptCache
+from pc_rag.errors import PCRagError
+from pc_rag.integrations._serving import PromptServer
+
+SCHEMA = '<schema name="s"><module name="doc">The sky is blue.</module></schema>'
+
+
+@pytest.fixture(scope="module")
+def server(tokenizer) -> PromptServer:
+    cache = PromptCache(tiny_model("llama", tokenizer))
+    cache.add_schema(SCHEMA)
+    return PromptServer(prompt_cache=cache)
+
+
+def test_pml_prompt_reuses_the_schema_modules(server: PromptServer) -> None:
+    stream = server.stream('<prompt schema="s"><doc/>What color?</prompt>', max_new_tokens=3)
+    text = "".join(stream)
+    assert text == stream.result.text and stream.result.stats.cached_tokens > 0
+
+
+def test_plain_text_is_served_by_full_prefill(server: PromptServer) -> None:
+    stream = server.stream("What color is the sky?", max_new_tokens=3)
+    list(stream)
+    assert stream.result.stats.cached_tokens == 0 and stream.result.stats.new_tokens == 3
+
+
+def test_bad_settings_and_missing_backends_are_named(server: PromptServer) -> None:
+    with pytest.raises(PCRagError, match="unknown generation settings"):
+        server.stream("hi", max_tokens=3)
+    with pytest.raises(PCRagError, match="needs a DocumentStore, a PromptCache"):
+        PromptServer()
