@@ -109,8 +109,9 @@ def _run_eval(args: argparse.Namespace) -> int:
         msg = f"no examples in {', '.join(map(str, args.dataset))}"
         raise EvalError(msg)
     from pc_rag.rag import MODES, RagEngine, RagPrompt
+    from pc_rag.rag.modes import is_mode
 
-    modes = parse_modes(args.modes, MODES)
+    modes = parse_modes(args.modes, MODES, accepts=is_mode)
     state = args.state or (args.json.with_name(args.json.name + ".partial.jsonl") if args.json else None)
     for out in (args.json, args.plot, state):
         if out is not None and not out.parent.is_dir():

@@ -9,8 +9,10 @@ import torch
 
 from pc_rag.assemble import splice
 from pc_rag.encode import encode_spans
+from pc_rag.errors import PCRagError
 from pc_rag.kv import allocate
 from pc_rag.rag import RagEngine, RagPrompt, RecoveryMode
+from pc_rag.rag.modes import is_mode, resolve_mode
 from pc_rag.rag.recompute import recompute_mask
 
 TEXTS = [
@@ -106,8 +108,6 @@ def test_stream_and_stats(engines: dict[str, RagEngine]) -> None:
 
 
 def test_unknown_mode_is_a_clear_error(engines: dict[str, RagEngine]) -> None:
-    from pc_rag.errors import PCRagError
-
     with pytest.raises(PCRagError, match="unknown recovery mode"):
         engines["llama"].encode(TEXTS, "bogus")
 
@@ -132,3 +132,18 @@ def test_deviation_probe_is_zero_on_an_exact_cache(engines: dict[str, RagEngine]
     splice(spliced, engine.lm.rope, parts)
     deviation = kv_deviation(engine.lm.model, spliced, head, ids, positions, 1)
     assert float(deviation.min()) > 1e-3  # naive chunks missed the head and the chunks before them
+
+
+@pytest.mark.parametrize(
+    ("spec", "edge", "ratio"), [("selective:0.25", 0, 0.25), ("edge:32", 32, 0.0), ("hybrid:0.2", 8, 0.2)]
+)
+def test_budgeted_mode_specs(spec: str, edge: int, ratio: float) -> None:
+    mode = resolve_mode(spec)
+    assert (mode.name, mode.edge, mode.ratio, mode.conditioned) == (spec, edge, ratio, True)
+
+
+@pytest.mark.parametrize("spec", ["selective:0", "selective:1.5", "edge:x", "edge:0", "bogus", "naive:3"])
+def test_bad_mode_specs_are_refused_with_the_known_names(spec: str) -> None:
+    assert not is_mode(spec)
+    with pytest.raises(PCRagError, match="known: naive"):
+        resolve_mode(spec)

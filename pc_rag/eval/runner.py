@@ -45,15 +45,18 @@ class EvalEngine(Protocol):
     def passage_text(self, i: int, title: str, text: str) -> str: ...
 
 
-def parse_modes(spec: str | Sequence[str], known: Iterable[str]) -> list[str]:
-    """The requested modes in order, without repeats; ``known`` are the engine's mode names (``full`` is added).
+def parse_modes(
+    spec: str | Sequence[str], known: Iterable[str], accepts: Callable[[str], bool] | None = None
+) -> list[str]:
+    """The requested modes in order, without repeats; ``known`` are the engine's mode names (``full`` is added),
+    ``accepts`` also admits other specs (such as budgeted modes, ``selective:0.25``).
 
     Raises ``EvalError`` listing the known names for an unknown or empty request.
     """
     names = spec.split(",") if isinstance(spec, str) else list(spec)
     modes = list(dict.fromkeys(n.strip() for n in names if n.strip()))
     allowed = [FULL, *sorted(set(known) - {FULL})]
-    unknown = [m for m in modes if m not in allowed]
+    unknown = [m for m in modes if m not in allowed and not (accepts and accepts(m))]
     if unknown or not modes:
         what = f"unknown mode(s) {', '.join(map(repr, unknown))}" if unknown else "no mode given"
         msg = f"{what}; known modes: {', '.join(allowed)}"

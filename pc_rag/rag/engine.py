@@ -32,7 +32,7 @@ from pc_rag.generate import (
 )
 from pc_rag.kv import BufferPool, KVBuffer, SpanKV
 from pc_rag.model import LoadedModel
-from pc_rag.rag.modes import MODES, RecoveryMode
+from pc_rag.rag.modes import RecoveryMode, resolve_mode
 from pc_rag.rag.prompt import RagPrompt
 from pc_rag.rag.recompute import recompute_and_prefill
 from pc_rag.rag.select import edge_indices, kv_deviation, top_indices
@@ -87,7 +87,7 @@ class RagEngine:
 
     def encode(self, texts: Sequence[str], mode: str | RecoveryMode = "default") -> list[Chunk]:
         """Encode ``texts`` as chunks the way ``mode`` wants them (alone or after the preamble), in batches."""
-        conditioned = _mode(mode).conditioned
+        conditioned = resolve_mode(mode).conditioned
         return self.encode_token_ids([self.tokenize(t) for t in texts], conditioned, texts)
 
     def encode_token_ids(
@@ -117,13 +117,13 @@ class RagEngine:
         self, chunks: Sequence[Chunk], question: str, mode: str | RecoveryMode = "default", **kwargs: object
     ) -> GenerationResult:
         """Answer from cached chunks with ``mode``'s recovery; kwargs are ``SamplingParams`` fields."""
-        return collect(self._serve(self._request(chunks, question), _mode(mode), **kwargs))
+        return collect(self._serve(self._request(chunks, question), resolve_mode(mode), **kwargs))
 
     def stream(
         self, chunks: Sequence[Chunk], question: str, mode: str | RecoveryMode = "default", **kwargs: object
     ) -> ReplyStream:
         """Like ``answer``, streaming text deltas; ``.result`` is set at the end."""
-        return ReplyStream(self._serve(self._request(chunks, question), _mode(mode), **kwargs))
+        return ReplyStream(self._serve(self._request(chunks, question), resolve_mode(mode), **kwargs))
 
     def answer_full(self, chunks: Sequence[Chunk], question: str, **kwargs: object) -> GenerationResult:
         """Baseline: full prefill of the same tokens, then the same decoding."""
@@ -147,7 +147,7 @@ class RagEngine:
         request = self._request_around(before, chunks, after)
         if mode is None or not chunks:
             return ReplyStream(self._serve_full(self._full_ids(request), **kwargs))
-        return ReplyStream(self._serve(request, _mode(mode), **kwargs))
+        return ReplyStream(self._serve(request, resolve_mode(mode), **kwargs))
 
     def _request(self, chunks: Sequence[Chunk], question: str) -> _Request:
         tail = self.tokenize(self.prompt.tail(self.wrappers, question))
@@ -241,12 +241,3 @@ class _Request:
     head_kv: SpanKV | None
     chunks: tuple[Chunk, ...]
     tail_ids: tuple[int, ...]
-
-
-def _mode(mode: str | RecoveryMode) -> RecoveryMode:
-    if isinstance(mode, RecoveryMode):
-        return mode
-    if mode not in MODES:
-        msg = f"unknown recovery mode {mode!r}; known: {', '.join(MODES)}"
-        raise PCRagError(msg)
-    return MODES[mode]

@@ -8,7 +8,9 @@ everything before them. This module only describes modes; ``recompute.py`` and
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+
+from pc_rag.errors import PCRagError
 
 
 @dataclass(frozen=True)
@@ -36,3 +38,35 @@ MODES: dict[str, RecoveryMode] = {
     "hybrid": RecoveryMode("hybrid", edge=8, ratio=0.10),
 }
 MODES["default"] = MODES["hybrid"]  # best first-token KL in our measurements (README)
+
+_BUDGETED = {"edge": "edge", "selective": "ratio", "hybrid": "ratio"}  # base mode -> the field a budget sets
+
+
+def resolve_mode(spec: str | RecoveryMode) -> RecoveryMode:
+    """A mode by name (``MODES``) or ``base:budget``: ``edge:32`` (tokens per chunk), ``selective:0.25`` or
+    ``hybrid:0.2`` (share of chunk tokens recomputed by deviation; hybrid adds its edge tokens)."""
+    if isinstance(spec, RecoveryMode):
+        return spec
+    if spec in MODES:
+        return MODES[spec]
+    base, sep, budget = spec.partition(":")
+    if sep and base in _BUDGETED:
+        field = _BUDGETED[base]
+        try:
+            value = int(budget) if field == "edge" else float(budget)
+        except ValueError:
+            value = -1
+        if (field == "edge" and value >= 1) or (field == "ratio" and 0 < value <= 1):
+            return replace(MODES[base], name=spec, **{field: value})
+    known = ", ".join([*MODES, "edge:<tokens>", "selective:<share>", "hybrid:<share>"])
+    msg = f"unknown recovery mode {spec!r}; known: {known}"
+    raise PCRagError(msg)
+
+
+def is_mode(spec: str) -> bool:
+    """Whether ``resolve_mode`` accepts ``spec``."""
+    try:
+        resolve_mode(spec)
+    except PCRagError:
+        return False
+    return True

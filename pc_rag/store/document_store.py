@@ -20,11 +20,11 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from pc_rag.errors import StoreError
+from pc_rag.errors import PCRagError, StoreError
 from pc_rag.generate import GenerationResult, ReplyStream
 from pc_rag.rag.engine import Chunk, RagEngine
 from pc_rag.rag.markers import module_ref, split_module_prompt
-from pc_rag.rag.modes import MODES
+from pc_rag.rag.modes import resolve_mode
 from pc_rag.store.chunking import split_text
 from pc_rag.store.embeddings import Embedder, SentenceTransformerEmbedder, as_embedder
 from pc_rag.store.index import VectorIndex
@@ -188,7 +188,7 @@ class DocumentStore:
     def _encode_and_index(
         self, records: dict[int, ChunkRecord], token_ids: dict[int, list[int]], progress: bool, batch: int = 32
     ) -> None:
-        conditioned = MODES[self.mode].conditioned
+        conditioned = resolve_mode(self.mode).conditioned
         items = sorted(records.items(), key=lambda kv: kv[1].n_tokens)  # similar lengths batch with little padding
         bar = tqdm(total=len(items), desc="encoding chunks", unit="chunk", disable=not progress)
         for i in range(0, len(items), batch):
@@ -231,7 +231,7 @@ class DocumentStore:
 
     def chunks(self, handles: Sequence[ModuleHandle]) -> list[Chunk]:
         """The engine chunks (token ids and KV) behind ``handles``, in the given order."""
-        conditioned = MODES[self.mode].conditioned
+        conditioned = resolve_mode(self.mode).conditioned
         spans = self.kv.get_many([h.chunk_id for h in handles])
         out = []
         for handle, kv in zip(handles, spans, strict=True):
@@ -302,10 +302,11 @@ def _identity(
     engine: RagEngine, embedder: Embedder, index_kind: str, chunk_tokens: int, overlap_tokens: int, mode: str,
     storage_dtype: torch.dtype,
 ) -> StoreIdentity:  # fmt: skip
-    if mode not in MODES:
-        msg = f"unknown mode {mode!r}; known: {', '.join(MODES)}"
-        raise StoreError(msg)
-    encoding = "conditioned" if MODES[mode].conditioned else "isolated"
+    try:
+        conditioned = resolve_mode(mode).conditioned
+    except PCRagError as e:
+        raise StoreError(str(e)) from e
+    encoding = "conditioned" if conditioned else "isolated"
     return StoreIdentity(
         model_name=engine.lm.name,
         model_fingerprint=engine.lm.fingerprint(),
