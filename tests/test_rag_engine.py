@@ -85,15 +85,15 @@ def test_partial_recovery_is_approximate(engines: dict[str, RagEngine], arch: st
 
 def test_recompute_mask_structure() -> None:
     mask = recompute_mask(cached=6, selected=[2, 4], new=2)[0, 0]
-    # selected token at index 2 sees 0, 1 (not stale 4, not future) and itself fresh
-    assert mask[0].tolist() == [True, True, False, False, False, False, True, False, False, False]
-    # selected token at 4 sees 0, 1, 3 (2 is stale: its fresh copy is column 6), fresh 2 and itself
-    assert mask[1].tolist() == [True, True, False, True, False, False, True, True, False, False]
-    # question tokens see every non-stale cached token, both fresh tokens, and causal question tokens
-    assert mask[2].tolist() == [True, True, False, True, False, True, True, True, True, False]
-    assert mask[3].tolist() == [True, True, False, True, False, True, True, True, True, True]
+    # selected tokens are refreshed in place: the one at 2 sees 0..2, the one at 4 sees 0..4 (2 already fresh)
+    assert mask[0].tolist() == [True, True, True, False, False, False, False, False]
+    assert mask[1].tolist() == [True, True, True, True, True, False, False, False]
+    # question tokens see the whole refreshed cache and the question causally
+    assert mask[2].tolist() == [True, True, True, True, True, True, True, False]
+    assert mask[3].tolist() == [True] * 8
     windowed = recompute_mask(cached=6, selected=[2, 4], new=2, window=3)[0, 0]
-    assert windowed[2].tolist() == [False, False, False, False, False, True, False, True, True, False]
+    assert windowed[1].tolist() == [False, False, True, True, True, False, False, False]
+    assert windowed[2].tolist() == [False, False, False, False, True, True, True, False]
 
 
 def test_stream_and_stats(engines: dict[str, RagEngine]) -> None:

@@ -2,13 +2,13 @@
 
 After splicing, the cache holds ``T`` tokens; a few of them (edge tokens,
 high-deviation tokens) are stale: they were encoded without the chunks before
-them. One forward runs ``[selected..., question...]``: a selected token at cache
-index ``c`` attends to the non-selected cache before ``c`` and to the fresh
-selected tokens up to itself; question tokens attend to every non-selected
-cached token, every fresh selected token and the question causally. The fresh
-KV then overwrites the stale entries, and the question's KV is moved down to
-follow the cache, so decoding sees one consistent cache. This module knows
-nothing about chunks, modes or retrieval: it works on cache indices.
+them. One forward runs ``[selected..., question...]``. In every layer the fresh
+KV of the selected tokens overwrites their stale entries in place before
+attention, so a selected token at cache index ``c`` attends to the cache up to
+``c`` (fresh where recomputed, stale elsewhere) and the question attends to the
+whole refreshed cache, then causally to itself. The question's KV follows the
+cache, so decoding continues from one consistent cache of ``T + N`` entries.
+This module knows nothing about chunks, modes or retrieval: it works on cache indices.
 """
 
 from __future__ import annotations
@@ -17,30 +17,39 @@ from collections.abc import Sequence
 
 import torch
 from transformers import PreTrainedModel
+from transformers.cache_utils import Cache
 
-from pc_rag.kv import KVBuffer
+from pc_rag.kv import KVBuffer, PreallocatedLayer
+
+
+class RefreshLayer(PreallocatedLayer):
+    """A cache layer whose first ``len(index)`` new entries overwrite cache entries ``index``; the rest append."""
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, length: int, index: torch.Tensor) -> None:
+        super().__init__(keys, values, length)
+        self._index = index
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        n_sel = self._index.numel()  # key_states: [B, H_kv, n_sel + N, D]
+        if n_sel:
+            self._kbuf[:, :, self._index] = key_states[:, :, :n_sel]
+            self._vbuf[:, :, self._index] = value_states[:, :, :n_sel]
+        return super().update(key_states[:, :, n_sel:], value_states[:, :, n_sel:])
 
 
 def recompute_mask(cached: int, selected: Sequence[int], new: int, window: int | None = None) -> torch.Tensor:
-    """Bool mask [1, 1, S+N, T+S+N] for ``selected`` (sorted cache indices) followed by ``new`` tokens.
+    """Bool mask [1, 1, S+N, T+N] for ``selected`` (sorted cache indices, refreshed in place) then ``new`` tokens.
 
-    With ``window`` (sliding-window layers) a key farther than ``window`` indices
-    from its query, measured at the indices the tokens end up in, is also hidden.
+    With ``window`` (sliding-window layers) a key ``window`` or more indices before its query is also hidden.
     """
     sel = torch.as_tensor(list(selected), dtype=torch.long)
-    n_sel = sel.numel()
-    q_len, k_len = n_sel + new, cached + n_sel + new
-    mask = torch.zeros(q_len, k_len, dtype=torch.bool)
-    stale = torch.zeros(cached, dtype=torch.bool)
-    stale[sel] = True
-    cache_idx = torch.arange(cached)
-    mask[:n_sel, :cached] = (cache_idx[None, :] < sel[:, None]) & ~stale[None, :]
-    mask[n_sel:, :cached] = ~stale[None, :]
-    mask[:, cached:] = torch.ones(q_len, q_len, dtype=torch.bool).tril()
+    query_index = torch.cat((sel, torch.arange(cached, cached + new)))  # [S+N]: where each query's KV lives
+    key_index = torch.arange(cached + new)  # [T+N]
+    mask = key_index[None, :] <= query_index[:, None]
     if window is not None:
-        final = torch.cat((sel, torch.arange(cached, cached + new)))  # where each query's KV ends up
-        key_final = torch.cat((cache_idx, final))
-        mask &= (final[:, None] - key_final[None, :]) < window
+        mask &= (query_index[:, None] - key_index[None, :]) < window
     return mask[None, None]
 
 
@@ -54,10 +63,10 @@ def recompute_and_prefill(
     selected_positions: Sequence[int],
     new_ids: Sequence[int],
     new_positions: Sequence[int],
-) -> tuple[torch.Tensor, object]:
+) -> tuple[torch.Tensor, Cache]:
     """Refresh ``selected`` cache entries and run ``new_ids``; return last logits [V] and the cache (length T+N)."""
     device = buffer.keys.device
-    n_sel, n_new = len(selected), len(new_ids)
+    n_new = len(new_ids)
     config = model.config.get_text_config()
     full = recompute_mask(cached, selected, n_new).to(device)
     layer_types = getattr(config, "layer_types", None) or []
@@ -65,7 +74,10 @@ def recompute_and_prefill(
     if "sliding_attention" in layer_types:
         sliding = recompute_mask(cached, selected, n_new, window=config.sliding_window).to(device)
         mask = {"full_attention": full, "sliding_attention": sliding}
-    cache = buffer.cache(cached)
+    index = torch.as_tensor(list(selected), dtype=torch.long, device=device)
+    cache = Cache(
+        layers=[RefreshLayer(buffer.keys[i], buffer.values[i], cached, index) for i in range(len(buffer.keys))]
+    )
     out = model(
         input_ids=torch.tensor([[*selected_ids, *new_ids]], device=device),
         position_ids=torch.tensor([[*selected_positions, *new_positions]], device=device),
@@ -74,11 +86,4 @@ def recompute_and_prefill(
         use_cache=True,
         logits_to_keep=1,
     )
-    if n_sel:
-        index = torch.as_tensor(list(selected), device=device)
-        for tensor in (buffer.keys, buffer.values):  # [L, 1, H, cap, D]
-            tensor[:, :, :, index] = tensor[:, :, :, cached : cached + n_sel]
-            tensor[:, :, :, cached : cached + n_new] = tensor[:, :, :, cached + n_sel : cached + n_sel + n_new].clone()
-        for layer in cache.layers:
-            layer.crop(-n_sel)
-    return out.logits[0, -1], cache
+    return out.logits[0, -1], buffer.cache(cached + n_new)
