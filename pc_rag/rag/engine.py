@@ -184,8 +184,7 @@ class RagEngine:
             cursor += chunk.kv.length
         total = cursor
         self._check_length(total + len(tail))
-        selected = self._selection_budget(mode, slots)
-        buffer = self._buffers.acquire(total + selected + len(tail) + params.max_new_tokens)
+        buffer = self._buffers.acquire(total + len(tail) + params.max_new_tokens)
         try:
             parts = [(head_kv, 0)]
             parts += [(c.kv, start - int(c.kv.positions[0])) for c, (start, _) in zip(chunks, slots, strict=True)]
@@ -206,10 +205,6 @@ class RagEngine:
             yield from run_generation(tokens, self.lm.tokenizer, params, watch, logits, *counts)
         finally:
             self._buffers.release(buffer)
-
-    def _selection_budget(self, mode: RecoveryMode, slots: Sequence[tuple[int, int]]) -> int:
-        n = sum(length for _, length in slots)
-        return len(edge_indices(slots, mode.edge)) + round(mode.ratio * n)
 
     def _select(
         self,
