@@ -9,25 +9,35 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 
-from pc_rag.assemble import forward_new_tokens
+from pc_rag.assemble import forward_new_tokens, splice
 from pc_rag.errors import ContextLengthError
 from pc_rag.generate import GenerationResult, SamplingParams, Stopwatch, decode_tokens, run_generation
-from pc_rag.kv import BufferPool
+from pc_rag.kv import BufferPool, SpanKV
 from pc_rag.model import LoadedModel
 
 
 def serve_full(
-    lm: LoadedModel, buffers: BufferPool, ids: Sequence[int], params: SamplingParams, stop_ids: frozenset[int]
+    lm: LoadedModel,
+    buffers: BufferPool,
+    ids: Sequence[int],
+    params: SamplingParams,
+    stop_ids: frozenset[int],
+    prefix: SpanKV | None = None,
 ) -> Iterator[str | GenerationResult]:
-    """Prefill ``ids`` from an empty cache and decode; yields text deltas then the ``GenerationResult``."""
+    """Prefill ``ids`` and decode; yields text deltas then the ``GenerationResult``.
+
+    With ``prefix`` (the KV of ``ids[:prefix.length]``, at positions from 0) only the
+    rest is computed: what automatic prefix caching (vLLM, SGLang) gives a workload.
+    """
     if len(ids) + 1 > lm.max_positions:
         msg = f"prompt of {len(ids)} tokens exceeds the model's {lm.max_positions} positions"
         raise ContextLengthError(msg)
     watch = Stopwatch()
     buffer = buffers.acquire(len(ids) + params.max_new_tokens)
     try:
-        logits, cache = forward_new_tokens(lm.model, buffer, 0, ids, range(len(ids)))
+        cached = splice(buffer, lm.rope, [(prefix, 0)]) if prefix is not None else 0
+        logits, cache = forward_new_tokens(lm.model, buffer, cached, ids[cached:], range(cached, len(ids)))
         tokens = decode_tokens(lm.model, cache, logits, len(ids), params, stop_ids)
-        yield from run_generation(tokens, lm.tokenizer, params, watch, logits, 0, len(ids))
+        yield from run_generation(tokens, lm.tokenizer, params, watch, logits, cached, len(ids) - cached)
     finally:
         buffers.release(buffer)

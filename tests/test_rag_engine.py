@@ -147,3 +147,13 @@ def test_bad_mode_specs_are_refused_with_the_known_names(spec: str) -> None:
     assert not is_mode(spec)
     with pytest.raises(PCRagError, match="known: naive"):
         resolve_mode(spec)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_prefix_caching_baseline_equals_full_prefill(engines: dict[str, RagEngine], arch: str) -> None:
+    engine = engines[arch]
+    chunks = engine.encode(TEXTS, "naive")
+    full = engine.answer_full(chunks, QUESTION, max_new_tokens=4)
+    prefix = engine.answer_full(chunks, QUESTION, reuse_preamble=True, max_new_tokens=4)
+    assert relative_error(prefix.first_logits, full.first_logits) < 1e-4 and prefix.text == full.text
+    assert prefix.stats.cached_tokens == len(engine.head_ids) and full.stats.cached_tokens == 0

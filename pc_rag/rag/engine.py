@@ -125,9 +125,15 @@ class RagEngine:
         """Like ``answer``, streaming text deltas; ``.result`` is set at the end."""
         return ReplyStream(self._serve(self._request(chunks, question), resolve_mode(mode), **kwargs))
 
-    def answer_full(self, chunks: Sequence[Chunk], question: str, **kwargs: object) -> GenerationResult:
-        """Baseline: full prefill of the same tokens, then the same decoding."""
-        return collect(self._serve_full(self._full_ids(self._request(chunks, question)), **kwargs))
+    def answer_full(
+        self, chunks: Sequence[Chunk], question: str, *, reuse_preamble: bool = False, **kwargs: object
+    ) -> GenerationResult:
+        """Baseline: full prefill of the same tokens, then the same decoding.
+
+        ``reuse_preamble=True`` is prefix caching: the preamble's KV is reused, chunks and question computed.
+        """
+        ids = self._full_ids(self._request(chunks, question))
+        return collect(self._serve_full(ids, self.head_kv if reuse_preamble else None, **kwargs))
 
     def stream_around(
         self,
@@ -146,7 +152,7 @@ class RagEngine:
         """
         request = self._request_around(before, chunks, after)
         if mode is None or not chunks:
-            return ReplyStream(self._serve_full(self._full_ids(request), **kwargs))
+            return ReplyStream(self._serve_full(self._full_ids(request), None, **kwargs))
         return ReplyStream(self._serve(request, resolve_mode(mode), **kwargs))
 
     def _request(self, chunks: Sequence[Chunk], question: str) -> _Request:
@@ -165,9 +171,11 @@ class RagEngine:
     def _full_ids(self, request: _Request) -> list[int]:
         return [*request.head_ids, *(t for c in request.chunks for t in c.token_ids), *request.tail_ids]
 
-    def _serve_full(self, ids: Sequence[int], **kwargs: object) -> Iterator[str | GenerationResult]:
+    def _serve_full(
+        self, ids: Sequence[int], prefix: SpanKV | None, **kwargs: object
+    ) -> Iterator[str | GenerationResult]:
         params = replace(SamplingParams(), **kwargs)  # type: ignore[arg-type]
-        return serve_full(self.lm, self._buffers, ids, params, self._stop_ids)
+        return serve_full(self.lm, self._buffers, ids, params, self._stop_ids, prefix)
 
     def _serve(self, request: _Request, mode: RecoveryMode, **kwargs: object) -> Iterator[str | GenerationResult]:
         params = replace(SamplingParams(), **kwargs)  # type: ignore[arg-type]
