@@ -100,5 +100,28 @@ def print_table(rows: Sequence[TTFTRow]) -> None:
               f"{r.speedup:>7.1f}x {ratio:>12.2f}x")  # fmt: skip
 
 
-def write_json(rows: Sequence[TTFTRow], path: Path) -> None:
-    path.write_text(json.dumps([asdict(r) for r in rows], indent=2) + "\n")
+def write_json(rows: Sequence[object], path: Path) -> None:
+    """Benchmark rows (dataclasses) as a JSON list."""
+    path.write_text(json.dumps([asdict(r) for r in rows], indent=2) + "\n")  # type: ignore[call-overload]
+
+
+def plot_ttft(rows: Sequence[TTFTRow], path: Path) -> None:
+    """TTFT against context length, cached vs full prefill, log scale (needs matplotlib: pc-rag[eval])."""
+    from pc_rag.eval.report import require_matplotlib
+
+    require_matplotlib()
+    from matplotlib.figure import Figure  # a bare Figure renders with Agg and leaves pyplot's state alone
+
+    fig = Figure(figsize=(6, 4))
+    ax = fig.subplots()
+    tokens = [r.context_tokens for r in rows]
+    ax.plot(tokens, [r.full_ttft_ms for r in rows], "o-", label="full prefill")
+    ax.plot(tokens, [r.cached_ttft_ms for r in rows], "o-", label="pc-rag cached")
+    for r in rows:
+        label = f"{r.speedup:.0f}x"
+        ax.annotate(label, (r.context_tokens, r.cached_ttft_ms), textcoords="offset points", xytext=(0, 6))
+    ax.set(xlabel="context tokens", ylabel="TTFT (ms)", yscale="log", title="Time to first token, cached vs full")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)

@@ -1,4 +1,4 @@
-"""The ``pc-rag`` command line: ``demo``, ``bench ttft`` and ``eval``.
+"""The ``pc-rag`` command line: ``demo``, ``index``, ``ask``, ``bench ttft|peers|memory`` and ``eval``.
 
 The CLI knows nothing about how serving works; it parses arguments, calls the
 engine and prints.
@@ -44,6 +44,13 @@ def main(argv: list[str] | None = None) -> int:
     ttft.add_argument("--tokens", default="1024,2048,4096,8000", help="comma-separated prompt lengths")
     ttft.add_argument("--runs", type=int, default=3, help="timed runs per length (median is reported)")
     ttft.add_argument("--json", type=Path, default=None, help="write the rows as JSON here")
+    ttft.add_argument("--plot", type=Path, default=None, help="write a TTFT-vs-context PNG here")
+    peers = bench_kinds.add_parser("peers", help="TTFT and decode speed against other local serving paths")
+    peers.add_argument("--tokens", default="1024,2048,4096,8000", help="comma-separated prompt lengths")
+    peers.add_argument("--runs", type=int, default=3, help="timed runs per peer and length (median is reported)")
+    peers.add_argument("--json", type=Path, default=None, help="write the rows as JSON here")
+    memory = bench_kinds.add_parser("memory", help="bytes per cached token for each storage dtype")
+    memory.add_argument("--json", type=Path, default=None, help="write the rows as JSON here")
     _add_eval_parser(commands)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(message)s")
@@ -57,9 +64,10 @@ def main(argv: list[str] | None = None) -> int:
 def _run(args: argparse.Namespace) -> int:
     if args.command == "eval":
         return _run_eval(args)
-    from pc_rag.engine import PromptCache
     from pc_rag.model import DEFAULT_MODEL, load_model
 
+    if args.command == "bench" and args.kind in ("ttft", "peers"):
+        _lengths(args.tokens)  # refuse bad lengths before the model loads
     lm = load_model(args.model or DEFAULT_MODEL, device=args.device)
     if args.command in ("demo", "index", "ask"):
         from pc_rag import commands
@@ -72,15 +80,52 @@ def _run(args: argparse.Namespace) -> int:
         else:
             commands.ask(lm, args.store, args.question, k=args.k, mode=args.mode, compare_full=args.full,
                          max_new_tokens=args.max_new_tokens)  # fmt: skip
-    elif args.command == "bench" and args.kind == "ttft":
-        from pc_rag.bench import print_table, ttft_benchmark, write_json
-
-        lengths = [int(t) for t in args.tokens.split(",") if t.strip()]
-        rows = ttft_benchmark(PromptCache(lm), lengths, runs=args.runs)
-        print_table(rows)
-        if args.json:
-            write_json(rows, args.json)
+    elif args.command == "bench":
+        _run_bench(args, lm)
     return 0
+
+
+def _run_bench(args: argparse.Namespace, lm: object) -> None:
+    from pc_rag.bench import write_json
+    from pc_rag.engine import PromptCache
+    from pc_rag.rag import RagEngine, RagPrompt
+
+    if args.kind == "ttft":
+        from pc_rag.bench import plot_ttft, print_table, ttft_benchmark
+
+        rows = ttft_benchmark(PromptCache(lm), _lengths(args.tokens), runs=args.runs)
+        print_table(rows)
+        if args.plot:
+            plot_ttft(rows, args.plot)
+    elif args.kind == "peers":
+        from pc_rag.model import DEFAULT_MODEL, gguf_file
+        from pc_rag.peers import format_rows, run_peers
+
+        gguf = gguf_file(args.model or DEFAULT_MODEL)
+        engine = RagEngine(lm, RagPrompt.longbench())
+        rows = run_peers(engine, _lengths(args.tokens), args.runs, str(gguf) if gguf else None)
+        print(format_rows(rows))
+    else:
+        import torch
+
+        from pc_rag.footprint import format_rows, kv_footprint
+
+        rows = kv_footprint(RagEngine(lm, RagPrompt.longbench()), [torch.float32, torch.bfloat16, torch.float16])
+        print(format_rows(rows))
+    if args.json:
+        write_json(rows, args.json)
+
+
+def _lengths(spec: str) -> list[int]:
+    try:
+        lengths = [int(t) for t in spec.split(",") if t.strip()]
+    except ValueError as e:
+        msg = f"--tokens takes comma-separated integers, got {spec!r}"
+        raise PCRagError(msg) from e
+    if not lengths or min(lengths) < 64:
+        msg = f"--tokens needs lengths of at least 64 tokens, got {spec!r}"
+        raise PCRagError(msg)
+    return lengths
 
 
 def _add_eval_parser(commands: argparse._SubParsersAction) -> None:

@@ -106,6 +106,18 @@ def load_model(
     return LoadedModel(model=model, tokenizer=tokenizer, rope=rope, name=name_or_path)
 
 
+def gguf_file(name_or_path: str) -> Path | None:
+    """The GGUF file behind a bundled model name or ``.gguf`` path; ``None`` for anything else."""
+    if name_or_path in _BUNDLED_GGUF:
+        package, filename, _ = _BUNDLED_GGUF[name_or_path]
+        spec = importlib.util.find_spec(package)
+        if spec is None or spec.origin is None or filename is None:
+            return None
+        return Path(spec.origin).parent / filename
+    path = Path(name_or_path).expanduser()
+    return path if path.suffix == ".gguf" and path.is_file() else None
+
+
 def _resolve(name_or_path: str) -> str:
     """Return a local directory holding safetensors weights and a tokenizer for ``name_or_path``."""
     if name_or_path in _BUNDLED_GGUF:

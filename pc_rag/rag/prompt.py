@@ -39,8 +39,10 @@ class RagPrompt:
 
     def head(self, wrappers: ChatWrappers, preamble: str | None = None) -> str:
         """Everything before the first document: system turn, the opening of the user turn, the preamble."""
-        return wrappers.wrap("system", self.system) + wrappers.open["user"] + (
-            self.preamble if preamble is None else preamble
+        return (
+            wrappers.wrap("system", self.system)
+            + wrappers.open["user"]
+            + (self.preamble if preamble is None else preamble)
         )
 
     def tail(self, wrappers: ChatWrappers, question: str) -> str:

@@ -1,0 +1,203 @@
+"""``pc-rag bench peers``: our cached path against what a user would otherwise run, same model, same machine.
+
+One RAG-shaped prompt per context length (LongBench preamble, passages from the
+bundled sample, a question), served by every peer: TTFT is the median of
+``runs`` timed first tokens after one warm-up, decode speed is measured on one
+32-token reply. A peer that cannot run here (package missing, model file not
+found) is reported with the reason instead of a number. This module knows
+nothing about how serving works; it times engines and libraries.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from pc_rag.rag.engine import Chunk, RagEngine
+from pc_rag.sample import sample_questions
+
+QUESTION = "Which of the passages above mentions a river, and what is its name?"
+DECODE_TOKENS = 32
+
+
+@dataclass
+class PeerRow:
+    peer: str
+    context_tokens: int
+    ttft_ms: float | None
+    decode_tokens_per_s: float | None
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One prompt: the engine's chunks for the passages, the question, and the same prompt as plain text."""
+
+    chunks: list[Chunk]
+    question: str
+    text: str  # the full chat-formatted prompt, for peers that take a string
+    tokens: int
+
+
+def build_workload(engine: RagEngine, target: int) -> Workload:
+    """Passages from the bundled sample until the prompt holds about ``target`` tokens."""
+    budget = target - len(engine.head_ids) - len(engine.tokenize(engine.prompt.tail(engine.wrappers, QUESTION)))
+    texts: list[str] = []
+    passages = [p for q in sample_questions() for p in q.passages]
+    for title, body in passages:
+        ids = engine.tokenize(engine.passage_text(len(texts) + 1, title, body))[:budget]  # the last one is cut
+        if len(ids) < 8:
+            break
+        texts.append(engine.lm.tokenizer.decode(ids))
+        budget -= len(ids)
+    chunks = engine.encode(texts, "default")
+    ids = engine.full_ids(chunks, QUESTION)
+    return Workload(chunks, QUESTION, engine.lm.tokenizer.decode(ids), len(ids))
+
+
+# max_new_tokens -> (first-token ms or None when the peer cannot tell, whole-reply ms)
+Timed = Callable[[int], tuple[float | None, float]]
+
+
+def measure(peer: str, tokens: int, timed: Timed, runs: int) -> PeerRow:
+    """TTFT as the median of ``runs`` one-token replies after a warm-up; decode speed from a 32-token reply."""
+    timed(1)
+    ttft = statistics.median(timed(1)[1] for _ in range(runs))
+    first, total = timed(DECODE_TOKENS)
+    decode_ms = total - (first if first is not None else ttft)
+    return PeerRow(peer, tokens, ttft, (DECODE_TOKENS - 1) / decode_ms * 1000 if decode_ms > 0 else None)
+
+
+def engine_peers(engine: RagEngine, work: Workload) -> dict[str, Timed]:
+    """Our cached path (default recovery and plain splicing), prefix caching and full prefill, one runtime."""
+
+    def answer(mode: str) -> Timed:
+        def run(n: int) -> tuple[float | None, float]:
+            # stats time the reply only: chunks are already encoded and stored, as in a store
+            result = engine.answer(work.chunks, work.question, mode, max_new_tokens=n)
+            return result.stats.ttft_ms, result.stats.total_ms
+
+        return run
+
+    def full(reuse_preamble: bool) -> Timed:
+        def run(n: int) -> tuple[float | None, float]:
+            result = engine.answer_full(work.chunks, work.question, reuse_preamble=reuse_preamble, max_new_tokens=n)
+            return result.stats.ttft_ms, result.stats.total_ms
+
+        return run
+
+    return {
+        "pc-rag cached, default recovery": answer("default"),
+        "pc-rag cached, naive splice": answer("naive"),
+        "prefix caching (preamble cached, documents computed)": full(True),
+        "full prefill (transformers, same runtime)": full(False),
+    }
+
+
+def huggingface_pipeline_peer(engine: RagEngine, work: Workload) -> Timed | str:
+    """LangChain's ``HuggingFacePipeline`` over the same model object: the ordinary local-LLM path."""
+    if importlib.util.find_spec("langchain_huggingface") is None:
+        return "langchain-huggingface is not installed (pip install pc-rag[bench])"
+    from langchain_huggingface import HuggingFacePipeline
+    from transformers import pipeline
+
+    lm = engine.lm
+    pipe = pipeline("text-generation", model=lm.model, tokenizer=lm.tokenizer, device=lm.model.device)
+    llm = HuggingFacePipeline(pipeline=pipe)
+
+    def run(n: int) -> tuple[float | None, float]:
+        settings = {"max_new_tokens": n, "min_new_tokens": n, "do_sample": False, "return_full_text": False}
+        start = time.perf_counter()
+        llm.invoke(work.text, pipeline_kwargs=settings)
+        return None, (time.perf_counter() - start) * 1000
+
+    return run
+
+
+def llama_cpp_peers(gguf: str | None, work: Workload) -> dict[str, Timed | str]:
+    """llama.cpp on the GGUF file: full prefill (KV cleared) and with its prefix cache warm."""
+    names = ("llama.cpp full prefill", "llama.cpp, prefix cache warm")
+    if importlib.util.find_spec("llama_cpp") is None:
+        reason = "llama-cpp-python is not installed (pip install llama-cpp-python; it compiles llama.cpp)"
+        return dict.fromkeys(names, reason)
+    if gguf is None:
+        return dict.fromkeys(names, "the model was not loaded from a GGUF file")
+    from llama_cpp import Llama
+
+    llm = Llama(model_path=gguf, n_ctx=max(2048, work.tokens + DECODE_TOKENS + 64), verbose=False)
+    prompt = llm.tokenize(work.text.encode(), add_bos=False, special=True)
+
+    def cold(n: int) -> tuple[float | None, float]:
+        llm.reset()  # forget every cached token: a full prefill
+        return _llama_ms(llm, prompt, n)
+
+    def warm(n: int) -> tuple[float | None, float]:
+        _llama_ms(llm, prompt[:-1], 1)  # everything but the last token is now cached, as after an earlier request
+        return _llama_ms(llm, prompt, n)
+
+    return dict(zip(names, (cold, warm), strict=True))
+
+
+def _llama_ms(llm: object, prompt: list[int], n: int) -> tuple[float | None, float]:
+    start = time.perf_counter()
+    first = None
+    for i, _ in enumerate(llm.generate(prompt, temp=0.0, reset=False)):  # type: ignore[attr-defined]
+        if first is None:
+            first = (time.perf_counter() - start) * 1000
+        if i + 1 == n:
+            break
+    return first, (time.perf_counter() - start) * 1000
+
+
+def kvboost_peer(engine: RagEngine, work: Workload) -> Timed | str:
+    """KVBoost's chunk-level KV reuse over the same transformers model, warmed with the same prompt."""
+    if importlib.util.find_spec("kvboost") is None:
+        return "kvboost is not installed (pip install kvboost)"
+    from kvboost import KVBoost
+
+    boost = KVBoost(model=engine.lm.model, tokenizer=engine.lm.tokenizer, max_cache_bytes=4 << 30, device="cpu")
+    boost.generate(work.text, max_new_tokens=1)  # stores the prompt's chunks
+
+    def run(n: int) -> tuple[float | None, float]:
+        start = time.perf_counter()
+        result = boost.generate(work.text, max_new_tokens=n)
+        return result.ttft_ms, (time.perf_counter() - start) * 1000
+
+    return run
+
+
+def run_peers(engine: RagEngine, lengths: Sequence[int], runs: int, gguf: str | None) -> list[PeerRow]:
+    """Every peer at every length; unavailable peers get one row each with the reason."""
+    rows: list[PeerRow] = []
+    for target in lengths:
+        work = build_workload(engine, target)
+        peers: dict[str, Timed | str] = dict(engine_peers(engine, work))
+        peers["LangChain HuggingFacePipeline"] = huggingface_pipeline_peer(engine, work)
+        peers.update(llama_cpp_peers(gguf, work))
+        peers["KVBoost (chunk KV reuse, warm)"] = kvboost_peer(engine, work)
+        for name, peer in peers.items():
+            if isinstance(peer, str):
+                rows.append(PeerRow(name, work.tokens, None, None, peer))
+                continue
+            try:
+                rows.append(measure(name, work.tokens, peer, runs))
+            except Exception as e:  # noqa: BLE001 - a peer failing is a result to report, not a crash
+                rows.append(PeerRow(name, work.tokens, None, None, f"failed: {type(e).__name__}: {e}"[:200]))
+    return rows
+
+
+def format_rows(rows: Sequence[PeerRow]) -> str:
+    """A plain-text table: TTFT, speedup against full prefill at the same length, decode tokens/s."""
+    full = {r.context_tokens: r.ttft_ms for r in rows if r.peer.startswith("full prefill") and r.ttft_ms}
+    lines = [f"{'peer':<54} {'tokens':>6} {'TTFT ms':>9} {'vs full':>8} {'decode tok/s':>12}"]
+    for r in rows:
+        if r.ttft_ms is None:
+            lines.append(f"{r.peer:<54} {r.context_tokens:>6} {'-':>9} {'-':>8} {'-':>12}  {r.note}")
+            continue
+        ratio = full.get(r.context_tokens, 0) / r.ttft_ms
+        decode = r.decode_tokens_per_s or 0.0
+        lines.append(f"{r.peer:<54} {r.context_tokens:>6} {r.ttft_ms:>9.1f} {ratio:>7.1f}x {decode:>12.1f}")
+    return "\n".join(lines)
