@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+import tempfile
 from pathlib import Path
 
 from pc_rag.errors import PCRagError
@@ -136,6 +137,10 @@ def _add_eval_parser(commands: argparse._SubParsersAction) -> None:
     ev.add_argument("--json", type=Path, default=None, help="write the result rows as JSON here")
     ev.add_argument("--plot", type=Path, default=None, help="write an F1-vs-TTFT PNG here")
     ev.add_argument("--max-new-tokens", type=int, default=32)
+    ev.add_argument("--setting", default="closed", help="closed, open or closed,open (open: pooled store, top-k)")
+    ev.add_argument("-k", type=int, default=10, help="open retrieval: passages retrieved per question")
+    ev.add_argument("--store-dir", type=Path, default=None, help="open retrieval: where pooled stores are built "
+                    "and reused (default: next to --json, else a temporary directory)")  # fmt: skip
     ev.add_argument("--state", type=Path, default=None, help="resume file (default: the --json path + .partial.jsonl)")
 
 
@@ -143,6 +148,7 @@ def _run_eval(args: argparse.Namespace) -> int:
     """Validate everything cheap (modes, datasets, output paths) before the model is loaded."""
     from pc_rag.errors import EvalError
     from pc_rag.eval import aggregate, format_table, load_datasets, parse_modes, plot, run_eval, write_json
+    from pc_rag.eval.contexts import ClosedContexts, OpenContexts
     from pc_rag.eval.report import require_matplotlib
     from pc_rag.model import DEFAULT_MODEL, load_model
 
@@ -157,6 +163,13 @@ def _run_eval(args: argparse.Namespace) -> int:
     from pc_rag.rag.modes import is_mode
 
     modes = parse_modes(args.modes, MODES, accepts=is_mode)
+    settings = list(dict.fromkeys(x.strip() for x in args.setting.split(",") if x.strip()))
+    if not settings or set(settings) - {"closed", "open"}:
+        msg = f"--setting takes closed, open or closed,open; got {args.setting!r}"
+        raise EvalError(msg)
+    if args.k < 1:
+        msg = f"-k must be >= 1, got {args.k}"
+        raise EvalError(msg)
     state = args.state or (args.json.with_name(args.json.name + ".partial.jsonl") if args.json else None)
     for out in (args.json, args.plot, state):
         if out is not None and not out.parent.is_dir():
@@ -167,7 +180,12 @@ def _run_eval(args: argparse.Namespace) -> int:
 
     lm = load_model(args.model or DEFAULT_MODEL, device=args.device)
     engine = RagEngine(lm, RagPrompt.longbench())
-    records = run_eval(engine, examples, modes, state_path=state, max_new_tokens=args.max_new_tokens)
+    with tempfile.TemporaryDirectory(prefix="pc-rag-eval-") as scratch:
+        stores = args.store_dir or (args.json.with_name(args.json.name + ".stores") if args.json else Path(scratch))
+        records = []
+        for setting in settings:
+            contexts = ClosedContexts(engine) if setting == "closed" else OpenContexts(engine, examples, args.k, stores)
+            records += run_eval(engine, examples, modes, contexts, state_path=state, max_new_tokens=args.max_new_tokens)
     rows = aggregate(records, modes)
     print(format_table(rows))
     if args.json:
@@ -177,6 +195,8 @@ def _run_eval(args: argparse.Namespace) -> int:
             "limit": args.limit,
             "max_new_tokens": args.max_new_tokens,
             "modes": modes,
+            "settings": settings,
+            "k": args.k if "open" in settings else None,
         }
         write_json(rows, args.json, config)
     if args.plot:

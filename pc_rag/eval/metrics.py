@@ -39,6 +39,7 @@ class QuestionRecord:
     first_token_kl: float  # KL(full || mode) of the first-token distributions, in nats
     identical: bool  # the generated token ids equal full's
     full_starts_with_the: bool  # full's answer starts with the word "The"
+    retrieval_recall: float | None = None  # open retrieval: share of supporting passages retrieved
 
 
 @dataclass
@@ -58,6 +59,7 @@ class ResultRow:
     context_tokens_mean: float
     first_token_agreement_non_the: float | None  # None when every full answer starts with "The"
     identical: float
+    retrieval_recall: float | None = None  # open retrieval only: mean share of supporting passages retrieved
 
 
 def first_token_kl(full_logits: torch.Tensor, mode_logits: torch.Tensor) -> float:
@@ -80,6 +82,7 @@ def make_record(
     context_tokens: int,
     result: GenerationResult,
     full: GenerationResult,
+    retrieval_recall: float | None = None,
 ) -> QuestionRecord:
     """Score ``result`` against the gold ``answers`` and compare it with the ``full`` prefill's result."""
     first = result.token_ids[0] if result.token_ids else None
@@ -99,6 +102,7 @@ def make_record(
         first_token_kl=first_token_kl(full.first_logits, result.first_logits),
         identical=list(result.token_ids) == list(full.token_ids),
         full_starts_with_the=bool(_STARTS_WITH_THE.match(full.text)),
+        retrieval_recall=retrieval_recall,
     )
 
 
@@ -112,26 +116,29 @@ def percentile(values: Sequence[float], q: float) -> float:
 
 
 def aggregate(records: Iterable[QuestionRecord], modes: Sequence[str] | None = None) -> list[ResultRow]:
-    """One row per (dataset, mode) plus an ``"all"`` row per mode pooling every question (micro average).
+    """One row per (setting, dataset, mode) plus an ``"all"`` row per setting and mode pooling every question.
 
-    Rows are grouped by dataset (in first-seen order, ``"all"`` last), then by mode in ``modes``
-    order (default: first-seen order); records of other modes are ignored.
+    Rows are grouped by setting, then dataset (in first-seen order, ``"all"`` last), then mode in
+    ``modes`` order (default: first-seen order); records of other modes are ignored.
     """
     records = list(records)
     if modes is None:
         modes = list(dict.fromkeys(r.mode for r in records))
-    datasets = list(dict.fromkeys(r.dataset for r in records))
     rows = []
-    for dataset in [*datasets, ALL]:
-        for mode in modes:
-            group = [r for r in records if r.mode == mode and dataset in (ALL, r.dataset)]
-            if group:
-                rows.append(_row(dataset, mode, group))
+    for setting in dict.fromkeys(r.setting for r in records):
+        in_setting = [r for r in records if r.setting == setting]
+        datasets = list(dict.fromkeys(r.dataset for r in in_setting))
+        for dataset in [*datasets, ALL]:
+            for mode in modes:
+                group = [r for r in in_setting if r.mode == mode and dataset in (ALL, r.dataset)]
+                if group:
+                    rows.append(_row(dataset, mode, group))
     return rows
 
 
 def _row(dataset: str, mode: str, group: list[QuestionRecord]) -> ResultRow:
     non_the = [r.first_token_agreement for r in group if not r.full_starts_with_the]
+    recalls = [r.retrieval_recall for r in group if r.retrieval_recall is not None]
     ttfts = [r.ttft_ms for r in group]
     settings = {r.setting for r in group}
     assert len(settings) == 1, f"one row mixes settings {settings}"
@@ -149,6 +156,7 @@ def _row(dataset: str, mode: str, group: list[QuestionRecord]) -> ResultRow:
         context_tokens_mean=_mean(r.context_tokens for r in group),
         first_token_agreement_non_the=_mean(non_the) if non_the else None,
         identical=_mean(r.identical for r in group),
+        retrieval_recall=_mean(recalls) if recalls else None,
     )
 
 

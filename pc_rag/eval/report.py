@@ -41,17 +41,30 @@ def format_table(rows: Sequence[ResultRow]) -> str:
     ``tok1`` is first-token agreement with full prefill, ``tok1~The`` the same without questions whose
     full answer starts with "The".
     """
-    lines = [" ".join(f"{h:>{w}}" for h, w, _ in _COLUMNS)]
-    lines += [" ".join(f"{cell(r):>{w}}" for _, w, cell in _COLUMNS) for r in rows]
+    columns = list(_COLUMNS)
+    if len({r.setting for r in rows}) > 1:
+        columns.insert(0, ("setting", 7, lambda r: r.setting))
+    if any(r.retrieval_recall is not None for r in rows):
+        columns.append(("recall", 6, lambda r: "-" if r.retrieval_recall is None else f"{r.retrieval_recall:.3f}"))
+    lines = [" ".join(f"{h:>{w}}" for h, w, _ in columns)]
+    lines += [" ".join(f"{cell(r):>{w}}" for _, w, cell in columns) for r in rows]
     return "\n".join(lines)
 
 
 def results_json(rows: Sequence[ResultRow], config: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """``{"results": [row, ...]}`` with every ``ResultRow`` field, plus ``"config"`` when given."""
-    out: dict[str, Any] = {"results": [asdict(r) for r in rows]}
+    """``{"results": [row, ...]}`` with every ``ResultRow`` field (``retrieval_recall`` only in open rows),
+    plus ``"config"`` when given."""
+    out: dict[str, Any] = {"results": [_row_json(r) for r in rows]}
     if config is not None:
         out["config"] = dict(config)
     return out
+
+
+def _row_json(row: ResultRow) -> dict[str, Any]:
+    data = asdict(row)
+    if data["retrieval_recall"] is None:
+        del data["retrieval_recall"]
+    return data
 
 
 def write_json(rows: Sequence[ResultRow], path: str | Path, config: Mapping[str, Any] | None = None) -> None:
@@ -66,8 +79,8 @@ def require_matplotlib() -> None:
         raise EvalError(msg)
 
 
-def plot(rows: Sequence[ResultRow], path: str | Path, title: str = "F1 vs time to first token") -> None:
-    """Save a PNG of F1 against median TTFT (log x), one labelled marker per mode, from the ``"all"`` rows."""
+def plot(rows: Sequence[ResultRow], path: str | Path, title: str = "Speed vs quality") -> None:
+    """Save a PNG from the ``"all"`` rows: F1 and first-token KL to full prefill against median TTFT (log x)."""
     require_matplotlib()
     from matplotlib.figure import Figure  # a bare Figure renders with Agg and leaves pyplot's state alone
 
@@ -75,18 +88,24 @@ def plot(rows: Sequence[ResultRow], path: str | Path, title: str = "F1 vs time t
     if not points:
         msg = "nothing to plot: no 'all' rows"
         raise EvalError(msg)
-    fig = Figure(figsize=(6, 4.5), dpi=120)
-    ax = fig.add_subplot()
+    several = len({r.setting for r in points}) > 1
+    fig = Figure(figsize=(11, 4.5), dpi=120)
+    axes = fig.subplots(1, 2)
+    panels = (("f1", "F1 (LongBench qa_f1_score x100)"), ("first_token_kl", "first-token KL(full || mode), nats"))
     markers = "osD^v<>pP*Xh"
-    for i, r in enumerate(points):
-        ax.scatter([r.ttft_ms_median], [r.f1], marker=markers[i % len(markers)], s=60, label=r.mode, zorder=3)
-        ax.annotate(r.mode, (r.ttft_ms_median, r.f1), textcoords="offset points", xytext=(6, 4), fontsize=8)
-    ax.set_xscale("log")
-    ax.margins(x=0.15, y=0.12)  # room for the labels of the outermost markers
-    ax.set_xlabel("median time to first token (ms, log scale)")
-    ax.set_ylabel("F1 (LongBench qa_f1_score x100)")
-    ax.set_title(f"{title} (n={points[0].n} per mode)" if len({r.n for r in points}) == 1 else title)
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8, loc="best")
+    for ax, (field, label) in zip(axes, panels, strict=True):
+        for i, r in enumerate(points):
+            name = f"{r.mode} ({r.setting})" if several else r.mode
+            y = getattr(r, field)
+            ax.scatter([r.ttft_ms_median], [y], marker=markers[i % len(markers)], s=60, label=name, zorder=3)
+            ax.annotate(name, (r.ttft_ms_median, y), textcoords="offset points", xytext=(6, 4), fontsize=8)
+        ax.set_xscale("log")
+        ax.margins(x=0.15, y=0.12)  # room for the labels of the outermost markers
+        ax.set_xlabel("median time to first token (ms, log scale)")
+        ax.set_ylabel(label)
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0].legend(fontsize=8, loc="best")
+    n = {r.n for r in points}
+    fig.suptitle(f"{title} (n={n.pop()} per mode)" if len(n) == 1 else title)
     fig.tight_layout()
     fig.savefig(Path(path), format="png")

@@ -20,6 +20,7 @@ from typing import Any, Protocol
 from tqdm import tqdm
 
 from pc_rag.errors import EvalError
+from pc_rag.eval.contexts import ClosedContexts, ContextSource
 from pc_rag.eval.datasets import Example
 from pc_rag.eval.metrics import QuestionRecord, make_record
 from pc_rag.generate import GenerationResult
@@ -28,7 +29,6 @@ logger = logging.getLogger(__name__)
 
 FULL = "full"  # full prefill of the same tokens: the reference every mode is compared with
 FULL_CHUNKS_MODE = "default"  # the encoding full prefill is given when no other mode of the example is due
-SETTINGS = ("closed",)
 
 Key = tuple[str, str, str, str]  # (setting, dataset, id, mode)
 
@@ -68,19 +68,19 @@ def run_eval(
     engine: EvalEngine,
     examples: Sequence[Example],
     modes: Sequence[str],
-    setting: str = "closed",
+    contexts: ContextSource | None = None,
     state_path: str | Path | None = None,
     max_new_tokens: int = 32,
     progress: bool = True,
 ) -> list[QuestionRecord]:
     """Answer every example in ``full`` (always, first) and each of ``modes``; one record per (example, mode).
 
+    ``contexts`` supplies each example's chunks (default: closed context, its own passages).
     With ``state_path``, records already there are reused and each new one is appended as it finishes.
     Returns the records of these examples in example order, ``full`` first, then ``modes`` order.
     """
-    if setting not in SETTINGS:
-        msg = f"setting {setting!r} is not supported; supported: {', '.join(SETTINGS)}"
-        raise EvalError(msg)
+    contexts = contexts if contexts is not None else ClosedContexts(engine)
+    setting = contexts.setting
     run_modes = [FULL, *(m for m in dict.fromkeys(modes) if m != FULL)]
     done = load_state(state_path) if state_path is not None else {}
     keys = [[(setting, ex.dataset, ex.id, mode) for mode in run_modes] for ex in examples]
@@ -93,7 +93,7 @@ def run_eval(
         for example, example_keys in zip(examples, keys, strict=True):
             todo = [k for k in example_keys if k not in done]
             if todo:
-                for record in _run_example(engine, example, todo, max_new_tokens):
+                for record in _run_example(engine, contexts, example, todo, max_new_tokens):
                     done[(setting, record.dataset, record.id, record.mode)] = record
                     save(record)
                     bar.update()
@@ -101,16 +101,14 @@ def run_eval(
 
 
 def _run_example(
-    engine: EvalEngine, example: Example, todo: list[Key], max_new_tokens: int
+    engine: EvalEngine, contexts: ContextSource, example: Example, todo: list[Key], max_new_tokens: int
 ) -> Iterator[QuestionRecord]:
     """Yield the records of the ``todo`` keys of one example; full prefill runs (again) whenever a mode needs it."""
-    texts = [engine.passage_text(i, p.title, p.text) for i, p in enumerate(example.passages, start=1)]
-    encoded: dict[str, list[Any]] = {}
 
     def chunks(mode: str) -> list[Any]:  # encoding is not timed: TTFT is measured inside answer()
-        if mode not in encoded:
-            encoded[mode] = engine.encode(texts, mode)
-        return encoded[mode]
+        return contexts.chunks(example, mode)
+
+    recall = contexts.recall(example)
 
     def record(mode: str, chunk_list: list[Any], result: GenerationResult) -> QuestionRecord:
         return make_record(
@@ -122,6 +120,7 @@ def _run_example(
             context_tokens=sum(len(c.token_ids) for c in chunk_list),
             result=result,
             full=full,
+            retrieval_recall=recall,
         )
 
     # Full's first-token logits stay in memory while this example's modes run; after a resume the

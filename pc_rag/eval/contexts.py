@@ -1,0 +1,125 @@
+"""Where an example's chunks come from: its own passages (closed) or a pooled store (open retrieval).
+
+Closed context is LongBench's: an example's own passages, in order and numbered, are its
+chunks. Open retrieval pools every passage of the evaluated examples of a dataset into one
+``DocumentStore`` (one chunk per passage, deduplicated by content), retrieves the top ``k`` per
+question, and reports which share of the example's supporting passages was retrieved. Encoding
+happens here, outside the timed answer. This module knows nothing about scoring or reports.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+from pc_rag.eval.datasets import Example, Passage
+
+SETTINGS = ("closed", "open")
+
+
+class ContextSource(Protocol):
+    """What the runner asks for each example and mode."""
+
+    setting: str
+
+    def chunks(self, example: Example, mode: str) -> list[Any]: ...
+
+    def recall(self, example: Example) -> float | None: ...
+
+
+class ClosedContexts:
+    """Each example's own passages, numbered in order, encoded the way each mode wants them."""
+
+    setting = "closed"
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self._example: str | None = None
+        self._encoded: dict[str, list[Any]] = {}
+
+    def chunks(self, example: Example, mode: str) -> list[Any]:
+        if self._example != example.id:  # only the current example's encodings are kept
+            self._example, self._encoded = example.id, {}
+        if mode not in self._encoded:
+            texts = [self.engine.passage_text(i, p.title, p.text) for i, p in enumerate(example.passages, start=1)]
+            self._encoded[mode] = self.engine.encode(texts, mode)
+        return self._encoded[mode]
+
+    def recall(self, example: Example) -> float | None:
+        return None
+
+
+class OpenContexts:
+    """Every passage of ``examples`` pooled per dataset in a store under ``directory``; top ``k`` per question.
+
+    One store per dataset and encoding (isolated for ``naive``, after the preamble otherwise), built
+    on first use (or reopened when ``directory`` already holds it). Each passage is one chunk: the
+    store's chunk size is set above the longest passage.
+    """
+
+    setting = "open"
+
+    def __init__(
+        self, engine: Any, examples: Sequence[Example], k: int, directory: str | Path, embedder: object = None
+    ) -> None:
+        self.engine, self.k, self.directory, self.embedder = engine, k, Path(directory), embedder
+        self._pools: dict[str, list[Passage]] = {}
+        for example in examples:
+            pool = self._pools.setdefault(example.dataset, [])
+            pool.extend(example.passages)
+        self._stores: dict[tuple[str, bool], Any] = {}
+        self._retrieved: dict[tuple[str, str], list[Any]] = {}
+
+    def chunks(self, example: Example, mode: str) -> list[Any]:
+        from pc_rag.rag.modes import resolve_mode
+
+        store = self._store(example.dataset, resolve_mode(mode).conditioned)
+        return store.chunks(self._handles(example, store))
+
+    def recall(self, example: Example) -> float | None:
+        supporting = {passage_id(p) for p in example.passages if p.is_supporting}
+        if not supporting:
+            return None
+        built = [s for (dataset, _), s in self._stores.items() if dataset == example.dataset]
+        store = built[0] if built else self._store(example.dataset, conditioned=True)
+        retrieved = {h.doc_id for h in self._handles(example, store)}
+        return len(supporting & retrieved) / len(supporting)
+
+    def _handles(self, example: Example, store: Any) -> list[Any]:
+        key = (example.dataset, example.id)  # retrieval does not depend on the encoding: search once
+        if key not in self._retrieved:
+            self._retrieved[key] = store.search(example.question, self.k)
+        return self._retrieved[key]
+
+    def _store(self, dataset: str, conditioned: bool) -> Any:
+        from pc_rag.store.document_store import DocumentStore
+
+        key = (dataset, conditioned)
+        if key not in self._stores:
+            path = self.directory / f"{dataset}-{'conditioned' if conditioned else 'isolated'}"
+            if path.exists():
+                self._stores[key] = DocumentStore.load(path, self.engine, embedder=self.embedder)
+            else:
+                unique = {passage_id(p): p for p in self._pools[dataset]}
+                texts = [passage_text(p) for p in unique.values()]
+                longest = max(len(self.engine.tokenize(t)) for t in texts)
+                store = DocumentStore.create(
+                    path, self.engine, embedder=self.embedder, chunk_tokens=longest + 16, overlap_tokens=0,
+                    mode="prefix" if conditioned else "naive",
+                )  # fmt: skip
+                store.add_documents([(t, {"title": p.title}) for t, p in zip(texts, unique.values(), strict=True)],
+                                    ids=list(unique))  # fmt: skip
+                self._stores[key] = store
+        return self._stores[key]
+
+
+def passage_text(passage: Passage) -> str:
+    """A pooled passage as its chunk reads: title line, then text (unnumbered: positions vary per question)."""
+    return f"{passage.title}\n{passage.text}"
+
+
+def passage_id(passage: Passage) -> str:
+    """A passage's identity across examples: its title and text."""
+    return hashlib.sha256(f"{passage.title}\x00{passage.text}".encode()).hexdigest()[:16]

@@ -1,0 +1,57 @@
+"""Open retrieval on a tiny model: passages pooled once per dataset, top-k retrieved, supporting recall reported."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import tiny_model
+from test_document_store import bag_of_words
+
+from pc_rag.eval import aggregate, results_json, run_eval
+from pc_rag.eval.contexts import OpenContexts, passage_id
+from pc_rag.eval.datasets import Example, Passage
+from pc_rag.rag import RagEngine, RagPrompt
+from pc_rag.store import as_embedder
+
+FACTS = {
+    "Danube": "The Danube flows into the Black Sea.",
+    "Fuji": "Mount Fuji is the highest mountain of Japan.",
+    "Eiffel": "The Eiffel Tower was finished in 1889.",
+    "Rhine": "The Rhine flows through Basel and Cologne.",
+}
+
+
+def example(i: int, subject: str, question: str) -> Example:
+    passages = tuple(Passage(t, x, is_supporting=t == subject) for t, x in FACTS.items())
+    return Example("toy", str(i), question, (subject,), passages)
+
+
+EXAMPLES = [
+    example(0, "Danube", "Which river flows into the Black Sea?"),
+    example(1, "Fuji", "Which mountain is the highest of Japan?"),
+]
+
+
+@pytest.fixture(scope="module")
+def engine(tokenizer) -> RagEngine:
+    return RagEngine(tiny_model("llama", tokenizer), RagPrompt.longbench())
+
+
+def embedder():
+    return as_embedder(bag_of_words, name="test-bag-of-words")
+
+
+def test_open_retrieval_records_recall_and_reuses_the_pool(tmp_path, engine: RagEngine) -> None:
+    contexts = OpenContexts(engine, EXAMPLES, k=2, directory=tmp_path, embedder=embedder())
+    records = run_eval(engine, EXAMPLES, ["full", "naive", "default"], contexts, max_new_tokens=2, progress=False)
+    assert {r.setting for r in records} == {"open"} and len(records) == 6
+    assert all(r.retrieval_recall == 1.0 for r in records)  # the supporting passage is the lexical best match
+    chunks = contexts.chunks(EXAMPLES[0], "default")
+    assert len(chunks) == 2 and chunks[0].text.startswith("Danube\n")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["toy-conditioned", "toy-isolated"]
+    store = contexts._store("toy", conditioned=True)
+    assert len(store) == len(FACTS)  # each passage once, one chunk each, although every example lists it
+    assert {passage_id(p) for p in EXAMPLES[0].passages} == set(store.documents)
+    row = next(r for r in results_json(aggregate(records))["results"] if r["mode"] == "default")
+    assert row["setting"] == "open" and row["retrieval_recall"] == 1.0
+    reopened = OpenContexts(engine, EXAMPLES, k=1, directory=tmp_path, embedder=embedder())
+    assert reopened.recall(EXAMPLES[1]) == 1.0 and len(reopened.chunks(EXAMPLES[1], "naive")) == 1
