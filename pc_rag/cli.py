@@ -117,6 +117,19 @@ def _run_bench(args: argparse.Namespace, lm: object) -> None:
         write_json(rows, args.json)
 
 
+def _limits(spec: str | None) -> int | list[int] | None:
+    from pc_rag.errors import EvalError
+
+    if spec is None:
+        return None
+    try:
+        limits = [int(x) for x in spec.split(",")]
+    except ValueError as e:
+        msg = f"--limit takes N or N1,N2,... (one per --dataset), got {spec!r}"
+        raise EvalError(msg) from e
+    return limits[0] if len(limits) == 1 else limits
+
+
 def _lengths(spec: str) -> list[int]:
     try:
         lengths = [int(t) for t in spec.split(",") if t.strip()]
@@ -133,7 +146,7 @@ def _add_eval_parser(commands: argparse._SubParsersAction) -> None:
     ev = commands.add_parser("eval", help="F1, agreement with full prefill and TTFT per mode on multi-doc QA")
     ev.add_argument("--dataset", type=Path, action="append", required=True, help="JSONL file, ours or LongBench's")
     ev.add_argument("--modes", default="full,default", help="comma-separated: full and the engine's modes")
-    ev.add_argument("--limit", type=int, default=None, help="first N examples of each dataset file")
+    ev.add_argument("--limit", default=None, help="first N examples of each dataset file, or N1,N2,... per --dataset")
     ev.add_argument("--json", type=Path, default=None, help="write the result rows as JSON here")
     ev.add_argument("--plot", type=Path, default=None, help="write an F1-vs-TTFT PNG here")
     ev.add_argument("--max-new-tokens", type=int, default=32)
@@ -155,7 +168,7 @@ def _run_eval(args: argparse.Namespace) -> int:
     if args.max_new_tokens < 1:
         msg = f"--max-new-tokens must be >= 1, got {args.max_new_tokens}"
         raise EvalError(msg)
-    examples = load_datasets(args.dataset, args.limit)
+    examples = load_datasets(args.dataset, _limits(args.limit))
     if not examples:
         msg = f"no examples in {', '.join(map(str, args.dataset))}"
         raise EvalError(msg)

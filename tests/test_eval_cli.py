@@ -47,6 +47,10 @@ def test_bad_json_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> No
     ("extra", "message"),
     [
         (["--limit", "0"], "--limit must be >= 1"),
+        (["--limit", "2,x"], "--limit takes N or N1,N2"),
+        (["--limit", "2,3"], "2 limits for 1 dataset files"),
+        (["--setting", "closed,web"], "--setting takes closed, open"),
+        (["-k", "0"], "-k must be >= 1"),
         (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
         (["--modes", "full,turbo"], "unknown mode(s) 'turbo'; known modes: full, "),
         (["--json", "/nonexistent-dir/out.json"], "output directory does not exist"),

@@ -59,6 +59,7 @@ def test_limit_is_per_file(tmp_path: Path) -> None:
     b = _write(tmp_path / "b.jsonl", *({**LONGBENCH, "_id": f"b{i}"} for i in range(3)))
     examples = load_datasets([a, b], limit=2)
     assert [e.id for e in examples] == ["a0", "a1", "b0", "b1"]
+    assert [e.id for e in load_datasets([a, b], limit=[3, 1])] == ["a0", "a1", "a2", "b0"]
 
 
 def test_bundled_sample_loads() -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -39,9 +39,14 @@ class Example:
     passages: tuple[Passage, ...]
 
 
-def load_datasets(paths: Iterable[str | Path], limit: int | None = None) -> list[Example]:
-    """Examples of every file in ``paths``, in order; ``limit`` keeps the first N of each file."""
-    return [example for path in paths for example in load_examples(path, limit)]
+def load_datasets(paths: Iterable[str | Path], limit: int | Sequence[int] | None = None) -> list[Example]:
+    """Examples of every file in ``paths``, in order; ``limit`` keeps the first N of each file (or N_i of file i)."""
+    paths = list(paths)
+    limits = list(limit) if isinstance(limit, Sequence) else [limit] * len(paths)
+    if len(limits) != len(paths):
+        msg = f"{len(limits)} limits for {len(paths)} dataset files: give one limit, or one per --dataset"
+        raise EvalError(msg)
+    return [example for path, n in zip(paths, limits, strict=True) for example in load_examples(path, n)]
 
 
 def load_examples(path: str | Path, limit: int | None = None) -> list[Example]:
