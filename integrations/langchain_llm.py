@@ -1,0 +1,193 @@
+"""LangChain LLM over a ``PromptServer``: prompts with module references are answered from cached KV.
+
+``PromptCacheLLM`` is a text-completion ``LLM``. A prompt carrying module
+references (from ``format_modules``) is served by splicing the referenced
+chunks; a PML ``<prompt>`` by the Prompt Cache engine; any other text by full
+prefill as one user turn. Generation stats (TTFT, cached and computed tokens) are
+in each generation's ``generation_info`` and in ``last_stats``. This module
+knows nothing about retrieval or how prompts are routed: that is the server's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator
+from contextlib import closing, suppress
+from dataclasses import asdict
+from typing import Any
+
+try:
+    from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
+    from langchain_core.language_models.llms import LLM
+    from langchain_core.outputs import Generation, GenerationChunk, LLMResult
+    from langchain_core.runnables.config import run_in_executor
+    from pydantic import ConfigDict, Field, PrivateAttr
+except ImportError as e:  # pragma: no cover - depends on the environment
+    msg = "the LangChain adapter needs langchain-core: `pip install pc-rag[langchain]`"
+    raise ImportError(msg) from e
+
+from pc_rag.engine import PromptCache
+from pc_rag.errors import PCRagError
+from pc_rag.generate import GenerationResult, GenerationStats
+from pc_rag.integrations._serving import PromptServer
+from pc_rag.store.document_store import DocumentStore
+
+__all__ = ["PromptCacheLLM"]
+
+# LangChain's generation setting -> pc-rag's SamplingParams field
+_SETTINGS = {"temperature": "temperature", "max_tokens": "max_new_tokens", "top_p": "top_p", "top_k": "top_k",
+             "seed": "seed"}  # fmt: skip
+
+
+class PromptCacheLLM(LLM):
+    """A local model that reuses prompt modules' KV; greedy by default.
+
+    Per-call keyword arguments override the fields of the same name; ``stop``
+    strings end the reply (and are excluded from it). Each reply is decoded on its
+    own: ``batch`` runs prompts one after another, ``abatch`` and parallel chains
+    in worker threads side by side; nothing is batched into one forward.
+    """
+
+    model_config = ConfigDict(arbitrary_types_allowed=True, extra="forbid")
+
+    server: PromptServer = Field(exclude=True, description="routes prompts to the store, PML engine or full prefill")
+    temperature: float = Field(default=0.0, ge=0.0, description="0 is greedy")
+    max_tokens: int = Field(default=256, ge=1, description="most new tokens per reply")
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=0, ge=0, description="0 disables the filter")
+    seed: int | None = Field(default=None, description="seeds sampling (temperature > 0)")
+    stop: list[str] | None = Field(default=None, description="default stop strings")
+
+    _last_stats: GenerationStats | None = PrivateAttr(default=None)
+
+    @classmethod
+    def from_store(cls, store: DocumentStore, mode: str | None = None, **settings: Any) -> PromptCacheLLM:
+        """Serve module references to ``store``'s chunks with recovery ``mode`` (``None``: the store's)."""
+        return cls(server=PromptServer(store=store, mode=mode), **settings)
+
+    @classmethod
+    def from_prompt_cache(cls, prompt_cache: PromptCache, **settings: Any) -> PromptCacheLLM:
+        """Serve PML prompts with ``prompt_cache``'s schemas (other text by full prefill)."""
+        return cls(server=PromptServer(prompt_cache=prompt_cache), **settings)
+
+    @property
+    def _llm_type(self) -> str:
+        return "pc-rag"
+
+    @property
+    def model_name(self) -> str:
+        return self.server.model_name
+
+    @property
+    def _identifying_params(self) -> dict[str, Any]:
+        params: dict[str, Any] = {"model_name": self.model_name, "mode": self.server.mode}
+        store = self.server.store
+        if store is not None:
+            identity = store.manifest.identity
+            params |= {"store_id": store.store_id, "store_identity": asdict(identity) if identity else None}
+        return params | {name: getattr(self, name) for name in (*_SETTINGS, "stop")}
+
+    @property
+    def last_stats(self) -> GenerationStats | None:
+        """Stats of the last reply this LLM finished (under concurrency, read ``generation_info`` instead)."""
+        return self._last_stats
+
+    def get_token_ids(self, text: str) -> list[int]:
+        """Token ids under the served model's own tokenizer (LangChain's default would fetch GPT-2's)."""
+        store, cache = self.server.store, self.server.prompt_cache
+        lm = store.engine.lm if store is not None else cache.lm  # type: ignore[union-attr]
+        return lm.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def _sampling(self, stop: list[str] | None, kwargs: dict[str, Any]) -> dict[str, Any]:
+        unknown = set(kwargs) - set(_SETTINGS)
+        if unknown:
+            msg = f"unknown generation settings {sorted(unknown)}; PromptCacheLLM takes {sorted(_SETTINGS)} and stop"
+            raise PCRagError(msg)
+        sampling = {field: kwargs.get(name, getattr(self, name)) for name, field in _SETTINGS.items()}
+        return sampling | {"stop": tuple(stop if stop is not None else self.stop or ())}
+
+    def _chunks(self, prompt: str, stop: list[str] | None, kwargs: dict[str, Any]) -> Iterator[GenerationChunk]:
+        """Text deltas, then an empty chunk whose ``generation_info`` holds the stats."""
+        stream = self.server.stream(prompt, **self._sampling(stop, kwargs))
+        yield from (GenerationChunk(text=delta) for delta in stream)
+        assert stream.result is not None, "a reply stream ends with its result"
+        self._last_stats = stream.result.stats
+        yield GenerationChunk(text="", generation_info=_info(stream.result))
+
+    def _stream(
+        self,
+        prompt: str,
+        stop: list[str] | None = None,
+        run_manager: CallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> Iterator[GenerationChunk]:
+        with closing(self._chunks(prompt, stop, kwargs)) as chunks:
+            for chunk in chunks:
+                if run_manager is not None and chunk.text:
+                    run_manager.on_llm_new_token(chunk.text, chunk=chunk)
+                yield chunk
+
+    async def _astream(
+        self,
+        prompt: str,
+        stop: list[str] | None = None,
+        run_manager: AsyncCallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> AsyncIterator[GenerationChunk]:
+        """Decode in a worker thread, one delta at a time, so the event loop is never blocked."""
+        chunks = self._chunks(prompt, stop, kwargs)
+        try:
+            while (chunk := await run_in_executor(None, next, chunks, None)) is not None:
+                if run_manager is not None and chunk.text:
+                    await run_manager.on_llm_new_token(chunk.text, chunk=chunk)
+                yield chunk
+        finally:
+            with suppress(ValueError):  # cancelled mid-step: the step still runs in its worker, GC closes it after
+                chunks.close()
+
+    def _call(
+        self,
+        prompt: str,
+        stop: list[str] | None = None,
+        run_manager: CallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> str:
+        return _join(self._stream(prompt, stop, run_manager, **kwargs)).text
+
+    def _generate(
+        self,
+        prompts: list[str],
+        stop: list[str] | None = None,
+        run_manager: CallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> LLMResult:
+        generations = [[_join(self._stream(p, stop, run_manager, **kwargs))] for p in prompts]
+        return LLMResult(generations=generations, llm_output=self._llm_output())
+
+    async def _agenerate(
+        self,
+        prompts: list[str],
+        stop: list[str] | None = None,
+        run_manager: AsyncCallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> LLMResult:
+        generations = []
+        for prompt in prompts:
+            chunks = [c async for c in self._astream(prompt, stop, run_manager, **kwargs)]
+            generations.append([_join(iter(chunks))])
+        return LLMResult(generations=generations, llm_output=self._llm_output())
+
+    def _llm_output(self) -> dict[str, Any]:
+        store = self.server.store
+        return {"model_name": self.model_name, "store_id": store.store_id if store is not None else None}
+
+
+def _info(result: GenerationResult) -> dict[str, Any]:
+    return asdict(result.stats)  # ttft_ms, total_ms, cached_tokens, computed_tokens, new_tokens
+
+
+def _join(chunks: Iterator[GenerationChunk]) -> Generation:
+    text, info = [], None
+    for chunk in chunks:
+        text.append(chunk.text)
+        info = chunk.generation_info or info
+    return Generation(text="".join(text), generation_info=info)
