@@ -15,6 +15,7 @@ from pc_rag.engine import PromptCache
 from pc_rag.errors import PCRagError
 from pc_rag.generate import ReplyStream, SamplingParams
 from pc_rag.rag.engine import RagEngine
+from pc_rag.rag.prompt import RagPrompt
 from pc_rag.store.document_store import DocumentStore
 
 SAMPLING_FIELDS = frozenset(SamplingParams.__dataclass_fields__)
@@ -63,4 +64,4 @@ class PromptServer:
 def _chat(cache: PromptCache, text: str) -> str:
     """``text`` as one user turn after an explicit system turn (templates insert a default one otherwise)."""
     w = cache.wrappers
-    return w.wrap("system", "You are a helpful assistant.") + w.wrap("user", text) + w.generation_prompt
+    return w.wrap("system", RagPrompt().system) + w.wrap("user", text) + w.generation_prompt
