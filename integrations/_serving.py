@@ -9,12 +9,15 @@ knows nothing about LangChain or LlamaIndex.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pc_rag.engine import PromptCache
 from pc_rag.errors import PCRagError
 from pc_rag.generate import ReplyStream, SamplingParams
+from pc_rag.model import LoadedModel
 from pc_rag.rag.engine import RagEngine
+from pc_rag.rag.markers import split_module_prompt
 from pc_rag.rag.prompt import RagPrompt
 from pc_rag.store.document_store import DocumentStore
 
@@ -39,16 +42,16 @@ class PromptServer:
         return self.store.engine if self.store is not None else None
 
     @property
+    def lm(self) -> LoadedModel:
+        return self.store.engine.lm if self.store is not None else self.prompt_cache.lm  # type: ignore[union-attr]
+
+    @property
     def model_name(self) -> str:
-        lm = self.store.engine.lm if self.store is not None else self.prompt_cache.lm  # type: ignore[union-attr]
-        return lm.name
+        return self.lm.name
 
     def stream(self, prompt: str, **sampling: object) -> ReplyStream:
         """Text deltas of the reply to ``prompt``; ``sampling`` are ``SamplingParams`` fields."""
-        unknown = set(sampling) - SAMPLING_FIELDS
-        if unknown:
-            msg = f"unknown generation settings {sorted(unknown)}; known: {sorted(SAMPLING_FIELDS)}"
-            raise PCRagError(msg)
+        _check_settings(sampling)
         if prompt.lstrip().startswith("<prompt"):
             if self.prompt_cache is None:
                 msg = "this is a PML prompt, but no PromptCache (schemas) was given to serve it"
@@ -56,12 +59,48 @@ class PromptServer:
             return self.prompt_cache.stream(prompt, **sampling)
         if self.store is not None:
             return self.store.stream_prompt(prompt, self.mode, **sampling)
-        cache = self.prompt_cache
-        assert cache is not None
-        return cache.stream_ids(cache.tokenize(_chat(cache, prompt)), **sampling)
+        return self._stream_turns(self.system, [("user", prompt)], sampling)
+
+    @property
+    def system(self) -> str:
+        """The system turn put before a user-turn prompt (explicit: chat templates insert a default one otherwise)."""
+        return self.engine.prompt.system if self.engine is not None else RagPrompt().system
+
+    def stream_chat(
+        self, turns: Sequence[tuple[str, str]], system: str | None = None, **sampling: object
+    ) -> ReplyStream:
+        """Reply to a conversation of ``(role, content)`` turns (user/assistant) after ``system`` (default: ours).
+
+        A lone user turn under the default system prompt is served like ``stream`` (module references
+        included); any other conversation is rendered with the chat template and served by full prefill.
+        """
+        unknown_roles = sorted({role for role, _ in turns} - {"user", "assistant"})
+        if unknown_roles:
+            msg = f"chat roles {unknown_roles} are not supported; use system, user and assistant turns"
+            raise PCRagError(msg)
+        system = self.system if system is None else system
+        if len(turns) == 1 and turns[0][0] == "user" and system == self.system:
+            return self.stream(turns[0][1], **sampling)
+        if any(split_module_prompt(content).refs for _, content in turns):
+            msg = (
+                "module references are served in a single user turn under the default system prompt; "
+                "this conversation has other turns or another system prompt"
+            )
+            raise PCRagError(msg)
+        _check_settings(sampling)
+        return self._stream_turns(system, list(turns), sampling)
+
+    def _stream_turns(self, system: str, turns: list[tuple[str, str]], sampling: dict[str, object]) -> ReplyStream:
+        """Full prefill of the conversation rendered through the model's chat template, then decoding."""
+        backend = self.engine if self.engine is not None else self.prompt_cache
+        assert backend is not None
+        w = backend.wrappers
+        text = w.wrap("system", system) + "".join(w.wrap(role, c) for role, c in turns) + w.generation_prompt  # type: ignore[arg-type]
+        return backend.stream_ids(backend.tokenize(text), **sampling)
 
 
-def _chat(cache: PromptCache, text: str) -> str:
-    """``text`` as one user turn after an explicit system turn (templates insert a default one otherwise)."""
-    w = cache.wrappers
-    return w.wrap("system", RagPrompt().system) + w.wrap("user", text) + w.generation_prompt
+def _check_settings(sampling: dict[str, object]) -> None:
+    unknown = set(sampling) - SAMPLING_FIELDS
+    if unknown:
+        msg = f"unknown generation settings {sorted(unknown)}; known: {sorted(SAMPLING_FIELDS)}"
+        raise PCRagError(msg)

@@ -35,16 +35,10 @@ except ImportError as e:  # pragma: no cover - depends on the environment
     msg = "the LlamaIndex adapter needs llama-index-core: `pip install pc-rag[llamaindex]`"
     raise ImportError(msg) from e
 
-from pc_rag.baseline import serve_full
-from pc_rag.chat import ChatWrappers
 from pc_rag.engine import PromptCache
 from pc_rag.errors import PCRagError
-from pc_rag.generate import GenerationResult, GenerationStats, ReplyStream, SamplingParams, eos_ids
+from pc_rag.generate import GenerationResult, GenerationStats, ReplyStream
 from pc_rag.integrations._serving import SAMPLING_FIELDS, PromptServer
-from pc_rag.kv import BufferPool
-from pc_rag.model import LoadedModel
-from pc_rag.rag.markers import split_module_prompt
-from pc_rag.rag.prompt import RagPrompt
 from pc_rag.store.document_store import DocumentStore
 
 __all__ = ["PromptCacheLLM"]
@@ -79,7 +73,6 @@ class PromptCacheLLM(CustomLLM):
 
     _server: PromptServer = PrivateAttr()
     _last_stats: GenerationStats | None = PrivateAttr(default=None)
-    _buffers: BufferPool | None = PrivateAttr(default=None)  # full prefill of chat ids when no PromptCache is given
 
     def __init__(self, server: PromptServer, **settings: Any) -> None:
         super().__init__(**settings)
@@ -115,7 +108,7 @@ class PromptCacheLLM(CustomLLM):
     @property
     def metadata(self) -> LLMMetadata:
         return LLMMetadata(
-            context_window=self._lm.max_positions,
+            context_window=self._server.lm.max_positions,
             num_output=self.max_new_tokens,
             model_name=self._server.model_name,
             is_chat_model=False,
@@ -171,35 +164,12 @@ class PromptCacheLLM(CustomLLM):
         return self._server.stream(prompt, **self._sampling(kwargs))
 
     def _chat_stream(self, messages: Sequence[ChatMessage], sampling: dict[str, Any]) -> ReplyStream:
-        """A lone user turn under the server's system prompt goes to the server; the rest by full prefill."""
+        """The conversation's own system turn, else ``system_prompt``, else the server's."""
         turns = [(_role(m), m.content or "") for m in messages]
-        system = self._server_system
+        system = self.system_prompt or None
         if turns and turns[0][0] == "system":
             system = turns.pop(0)[1]
-        elif self.system_prompt:
-            system = self.system_prompt
-        if len(turns) == 1 and turns[0][0] == "user" and system == self._server_system:
-            return self._server.stream(turns[0][1], **sampling)
-        if any(split_module_prompt(content).refs for _, content in turns):
-            msg = (
-                "module references are served in a single user turn under the store's system prompt; "
-                "this conversation has other turns or another system prompt"
-            )
-            raise PCRagError(msg)
-        w = self._wrappers
-        text = w.wrap("system", system) + "".join(w.wrap(role, c) for role, c in turns) + w.generation_prompt
-        return self._stream_ids(self._lm.tokenizer(text, add_special_tokens=False)["input_ids"], sampling)
-
-    def _stream_ids(self, ids: list[int], sampling: dict[str, Any]) -> ReplyStream:
-        """Full prefill of ``ids`` (no cache reuse), then decoding."""
-        cache = self._server.prompt_cache
-        if cache is not None:
-            return cache.stream_ids(ids, **sampling)
-        lm = self._lm
-        if self._buffers is None:
-            self._buffers = BufferPool(lm.model)
-        params = SamplingParams(**sampling)
-        return ReplyStream(serve_full(lm, self._buffers, ids, params, eos_ids(lm.model, lm.tokenizer)))
+        return self._server.stream_chat(turns, system, **sampling)
 
     def _sampling(self, kwargs: dict[str, Any]) -> dict[str, Any]:
         unknown = set(kwargs) - SAMPLING_FIELDS
@@ -216,22 +186,6 @@ class PromptCacheLLM(CustomLLM):
         assert stream.result is not None, "a reply stream ends with its result"
         self._last_stats = stream.result.stats
         return stream.result
-
-    @property
-    def _lm(self) -> LoadedModel:
-        store, cache = self._server.store, self._server.prompt_cache
-        return store.engine.lm if store is not None else cache.lm  # type: ignore[union-attr]
-
-    @property
-    def _wrappers(self) -> ChatWrappers:
-        engine, cache = self._server.engine, self._server.prompt_cache
-        return engine.wrappers if engine is not None else cache.wrappers  # type: ignore[union-attr]
-
-    @property
-    def _server_system(self) -> str:
-        """The system turn the server puts before a user-turn prompt."""
-        engine = self._server.engine
-        return engine.prompt.system if engine is not None else RagPrompt().system  # the PromptServer's default
 
 
 def _role(message: ChatMessage) -> str:

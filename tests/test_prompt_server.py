@@ -36,3 +36,22 @@ def test_bad_settings_and_missing_backends_are_named(server: PromptServer) -> No
         server.stream("hi", max_tokens=3)
     with pytest.raises(PCRagError, match="needs a DocumentStore, a PromptCache"):
         PromptServer()
+
+
+def test_conversations_are_rendered_with_an_explicit_system_turn(server: PromptServer) -> None:
+    turns = [("user", "Hi"), ("assistant", "Hello."), ("user", "What color is the sky?")]
+    stream = server.stream_chat(turns, "Be brief.", max_new_tokens=3)
+    text = "".join(stream)
+    cache = server.prompt_cache
+    w = cache.wrappers
+    rendered = w.wrap("system", "Be brief.") + "".join(w.wrap(r, c) for r, c in turns) + w.generation_prompt
+    assert text == cache.generate_ids(cache.tokenize(rendered), max_new_tokens=3).text
+    lone = server.stream_chat([("user", "What color is the sky?")], max_new_tokens=3)
+    assert "".join(lone) == "".join(server.stream("What color is the sky?", max_new_tokens=3))
+
+
+def test_bad_conversations_are_refused(server: PromptServer) -> None:
+    with pytest.raises(PCRagError, match="chat roles \\['tool'\\]"):
+        server.stream_chat([("tool", "x")])
+    with pytest.raises(PCRagError, match="single user turn"):
+        server.stream_chat([("user", 'see <pc-rag-module store="ab" chunk="1"/>')], "Other system.")

@@ -155,6 +155,10 @@ class RagEngine:
             return ReplyStream(self._serve_full(self._full_ids(request), None, **kwargs))
         return ReplyStream(self._serve(request, resolve_mode(mode), **kwargs))
 
+    def stream_ids(self, ids: Sequence[int], **kwargs: object) -> ReplyStream:
+        """Full prefill of plain token ids (no reuse), then decoding: any conversation rendered by the caller."""
+        return ReplyStream(self._serve_full(ids, None, **kwargs))
+
     def _request(self, chunks: Sequence[Chunk], question: str) -> _Request:
         tail = self.tokenize(self.prompt.tail(self.wrappers, question))
         return _Request(self.head_ids, self.head_kv, tuple(chunks), tuple(tail))
