@@ -83,6 +83,7 @@ def plot(rows: Sequence[ResultRow], path: str | Path, title: str = "Speed vs qua
     """Save a PNG from the ``"all"`` rows: F1 and first-token KL to full prefill against median TTFT (log x)."""
     require_matplotlib()
     from matplotlib.figure import Figure  # a bare Figure renders with Agg and leaves pyplot's state alone
+    from matplotlib.ticker import NullFormatter
 
     points = [r for r in rows if r.dataset == ALL]
     if not points:
@@ -100,6 +101,7 @@ def plot(rows: Sequence[ResultRow], path: str | Path, title: str = "Speed vs qua
             ax.scatter([r.ttft_ms_median], [y], marker=markers[i % len(markers)], s=60, label=name, zorder=3)
             ax.annotate(name, (r.ttft_ms_median, y), textcoords="offset points", xytext=(6, 4), fontsize=8)
         ax.set_xscale("log")
+        ax.xaxis.set_minor_formatter(NullFormatter())  # minor log ticks would print overlapping labels
         ax.margins(x=0.15, y=0.12)  # room for the labels of the outermost markers
         ax.set_xlabel("median time to first token (ms, log scale)")
         ax.set_ylabel(label)
