@@ -40,9 +40,9 @@ def packed_gqa_attention(
     if n_rep == 1 or q_len == key.shape[2] or attention_mask is None or kwargs.get("softcap") or dropout:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
     q = query.reshape(batch, kv_heads, n_rep * q_len, dim)  # head h = g * n_rep + r shares KV head g
-    mask = attention_mask[:, :, None].expand(-1, -1, n_rep, -1, -1).reshape(batch, 1, n_rep * q_len, -1)
-    out = _cache_then_causal(q, key, value, attention_mask, mask, scaling)
+    out = _cache_then_causal(q, key, value, attention_mask, scaling)
     if out is None:
+        mask = attention_mask[:, :, None].expand(-1, -1, n_rep, -1, -1).reshape(batch, 1, n_rep * q_len, -1)
         out = F.scaled_dot_product_attention(q, key, value, attn_mask=mask, scale=scaling)
     return out.reshape(batch, heads, q_len, dim).transpose(1, 2).contiguous(), None
 
@@ -55,7 +55,6 @@ def _cache_then_causal(
     key: torch.Tensor,  # [B, H_kv, S, D]
     value: torch.Tensor,
     mask: torch.Tensor,  # [B, 1, Q, S]
-    packed_mask: torch.Tensor,  # [B, 1, n_rep*Q, S]
     scaling: float | None,
 ) -> torch.Tensor | None:
     """Attention as two parts merged by log-sum-exp, or None when the mask is not cache-then-causal."""
@@ -67,9 +66,16 @@ def _cache_then_causal(
     if not (bool(mask[..., :cached].all()) and torch.equal(mask[..., cached:], causal.expand_as(mask[..., cached:]))):
         return None
     out_cache, lse_cache = _FLASH_CPU(q, key[:, :, :cached], value[:, :, :cached], scale=scaling)
-    new_mask = torch.zeros(packed_mask[..., cached:].shape, dtype=q.dtype, device=q.device)
-    new_mask.masked_fill_(~packed_mask[..., cached:], float("-inf"))
-    out_new, lse_new = _FLASH_CPU(q, key[:, :, cached:], value[:, :, cached:], attn_mask=new_mask, scale=scaling)
+    # the new tokens' part is causal: unpack the heads ([B, H, Q, D], only the Q new keys repeated per head)
+    # so the kernel's is_causal path applies, with no [n_rep*Q, Q] mask materialized
+    batch, kv_heads, packed, dim = q.shape
+    n_rep = packed // q_len
+    heads_q = q.reshape(batch, kv_heads * n_rep, q_len, dim)
+    new_k = key[:, :, cached:].repeat_interleave(n_rep, dim=1)
+    new_v = value[:, :, cached:].repeat_interleave(n_rep, dim=1)
+    out_new, lse_new = _FLASH_CPU(heads_q, new_k, new_v, is_causal=True, scale=scaling)
+    out_new = out_new.reshape(batch, kv_heads, packed, dim)
+    lse_new = lse_new.reshape(batch, kv_heads, packed)
     top = torch.maximum(lse_cache, lse_new)
     w_cache, w_new = (lse_cache - top).exp().unsqueeze(-1), (lse_new - top).exp().unsqueeze(-1)
     return (out_cache * w_cache + out_new * w_new) / (w_cache + w_new)
