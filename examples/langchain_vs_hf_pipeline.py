@@ -97,7 +97,8 @@ def compare(engine: RagEngine, store: DocumentStore, questions: list[str], args:
         row: dict = {"question": question}
         for name, chain in chains.items():
             row[name] = statistics.median(_wall_ms(chain, question) for _ in range(args.runs))
-        row["hf_answer"] = hf_chain(32).invoke(question).strip()
+        reply = hf_chain(32).invoke(question)  # some langchain-huggingface versions return the prompt too
+        row["hf_answer"] = reply.rsplit(w.generation_prompt, 1)[-1].strip()
         row["pc_rag_answer"] = cached_chain(32).invoke(question).strip()
         row["same_answer"] = row["hf_answer"] == row["pc_rag_answer"]
         rows.append(row)
