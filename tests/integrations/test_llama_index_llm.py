@@ -8,7 +8,6 @@ explicit system turn; a lone user turn equals the completion of its text.
 from __future__ import annotations
 
 import asyncio
-import socket
 
 import numpy as np
 import pytest
@@ -28,13 +27,7 @@ NEW = 4
 PROMPT = "Name a river in Europe."
 
 
-@pytest.fixture(autouse=True)
-def _no_network(monkeypatch: pytest.MonkeyPatch) -> None:
-    def refuse(*args: object, **kwargs: object) -> None:
-        raise OSError("network access in a unit test")
-
-    monkeypatch.setattr(socket.socket, "connect", refuse)
-    monkeypatch.setattr(socket, "create_connection", refuse)
+pytestmark = pytest.mark.usefixtures("no_network")  # LlamaIndex must not fetch anything
 
 
 @pytest.fixture(scope="module")

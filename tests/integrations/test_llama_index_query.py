@@ -9,17 +9,15 @@ touches the network (sockets are refused) or LlamaIndex's global ``Settings``.
 from __future__ import annotations
 
 import asyncio
-import socket
 import subprocess
 import sys
-import zlib
 
-import numpy as np
 import pytest
 from conftest import tiny_model
 from llama_index.core.postprocessor import SimilarityPostprocessor
 from llama_index.core.query_engine import RetrieverQueryEngine
 from llama_index.core.schema import MetadataMode, TextNode
+from test_document_store import bag_of_words
 
 from pc_rag.engine import PromptCache
 from pc_rag.errors import PCRagError
@@ -44,24 +42,9 @@ QUESTION = "Which mountain is the highest of Japan?"
 NEW = 4  # new tokens per answer: enough to compare texts, cheap on two cores
 
 
-def bag_of_words(texts: list[str]) -> np.ndarray:
-    """A deterministic hashing embedder: enough for lexical retrieval in tests."""
-    out = np.zeros((len(texts), 64), dtype=np.float32)
-    for row, text in enumerate(texts):
-        for word in text.lower().replace(".", " ").replace("?", " ").split():
-            out[row, zlib.crc32(word.encode()) % 64] += 1.0
-    return out
 
 
-@pytest.fixture(autouse=True)
-def _no_network(monkeypatch: pytest.MonkeyPatch) -> None:
-    """LlamaIndex must not fetch NLTK data, tiktoken files or a default LLM/embedding: refuse every connection."""
-
-    def refuse(*args: object, **kwargs: object) -> None:
-        raise OSError("network access in a unit test")
-
-    monkeypatch.setattr(socket.socket, "connect", refuse)
-    monkeypatch.setattr(socket, "create_connection", refuse)
+pytestmark = pytest.mark.usefixtures("no_network")  # LlamaIndex must not fetch anything
 
 
 @pytest.fixture(scope="module")
