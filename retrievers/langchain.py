@@ -12,7 +12,6 @@ nothing about generation: it only names chunks.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 try:
     from langchain_core.callbacks import CallbackManagerForRetrieverRun
@@ -53,14 +52,7 @@ class PromptModuleRetriever(BaseRetriever):
 
 def handle_document(store: DocumentStore, handle: ModuleHandle) -> Document:
     """``handle``'s chunk as a ``Document`` that ``format_modules`` can reference."""
-    meta: dict[str, Any] = {
-        **handle.metadata,
-        "store_id": store.store_id,
-        "chunk_id": handle.chunk_id,
-        "doc_id": handle.doc_id,
-        "score": handle.score,
-        "n_tokens": handle.n_tokens,
-    }
+    meta = {**store.handle_metadata(handle), "score": handle.score}
     return Document(page_content=handle.text, metadata=meta, id=handle.doc_id)
 
 

@@ -10,8 +10,6 @@ KV or generation: the store searches, the LLM serves.
 
 from __future__ import annotations
 
-from typing import Any
-
 try:
     from llama_index.core.callbacks import CallbackManager
     from llama_index.core.retrievers import BaseRetriever
@@ -64,13 +62,7 @@ class PromptModuleRetriever(BaseRetriever):
 
 def handle_node(store: DocumentStore, handle: ModuleHandle) -> NodeWithScore:
     """``handle``'s chunk as a scored ``TextNode`` whose metadata names the module."""
-    metadata: dict[str, Any] = {
-        **handle.metadata,
-        "store_id": store.store_id,
-        "chunk_id": handle.chunk_id,
-        "doc_id": handle.doc_id,
-        "n_tokens": handle.n_tokens,
-    }
+    metadata = store.handle_metadata(handle)
     node = TextNode(
         id_=f"{store.store_id}-{handle.chunk_id}",
         text=handle.text,

@@ -268,6 +268,19 @@ class DocumentStore:
             raise StoreError(msg)
         return ModuleHandle(chunk_id, score, record.n_tokens, record.text, record.doc_id, dict(record.metadata))
 
+    def handle_metadata(self, handle: ModuleHandle) -> dict[str, Any]:
+        """The chunk's own metadata plus what names its module (store, chunk, document, token count).
+
+        What framework retrievers attach to a retrieved chunk; the handle keys win a name clash.
+        """
+        return {
+            **handle.metadata,
+            "store_id": self.store_id,
+            "chunk_id": handle.chunk_id,
+            "doc_id": handle.doc_id,
+            "n_tokens": handle.n_tokens,
+        }
+
     def stream_prompt(
         self, prompt: str, mode: str | None = None, *, full: bool = False, **kwargs: object
     ) -> ReplyStream:
