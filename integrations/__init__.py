@@ -8,8 +8,7 @@ adapters define (``PromptCacheLLM``) are imported from their submodule:
 
 from __future__ import annotations
 
-from importlib import import_module
-from typing import Any
+from pc_rag._lazy import lazy_exports
 
 _EXPORTS = {
     "PromptCacheQueryEngine": "pc_rag.integrations.llama_index",
@@ -17,13 +16,4 @@ _EXPORTS = {
 
 __all__ = sorted(_EXPORTS)
 
-
-def __getattr__(name: str) -> Any:
-    if name not in _EXPORTS:
-        msg = f"module {__name__!r} has no attribute {name!r}"
-        raise AttributeError(msg)
-    return getattr(import_module(_EXPORTS[name]), name)
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *_EXPORTS})
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
