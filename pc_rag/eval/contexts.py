@@ -37,15 +37,18 @@ class ClosedContexts:
     def __init__(self, engine: Any) -> None:
         self.engine = engine
         self._example: str | None = None
-        self._encoded: dict[str, list[Any]] = {}
+        self._encoded: dict[bool, list[Any]] = {}
 
     def chunks(self, example: Example, mode: str) -> list[Any]:
+        from pc_rag.rag.modes import resolve_mode
+
         if self._example != example.id:  # only the current example's encodings are kept
             self._example, self._encoded = example.id, {}
-        if mode not in self._encoded:
+        conditioned = resolve_mode(mode).conditioned  # modes differ in encoding only by this: encode once per value
+        if conditioned not in self._encoded:
             texts = [self.engine.passage_text(i, p.title, p.text) for i, p in enumerate(example.passages, start=1)]
-            self._encoded[mode] = self.engine.encode(texts, mode)
-        return self._encoded[mode]
+            self._encoded[conditioned] = self.engine.encode(texts, mode)
+        return self._encoded[conditioned]
 
     def recall(self, example: Example) -> float | None:
         return None
