@@ -16,6 +16,8 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from tqdm import tqdm
+
 from pc_rag.rag.engine import Chunk, RagEngine
 from pc_rag.sample import sample_questions
 
@@ -176,24 +178,36 @@ def kvboost_peer(engine: RagEngine, work: Workload) -> Timed | str:
     return run
 
 
-def run_peers(engine: RagEngine, lengths: Sequence[int], runs: int, gguf: str | None) -> list[PeerRow]:
-    """Every peer at every length; unavailable peers get one row each with the reason."""
+def run_peers(
+    engine: RagEngine, lengths: Sequence[int], runs: int, gguf: str | None, progress: bool = True
+) -> list[PeerRow]:
+    """Every peer at every length; unavailable peers get one row each with the reason.
+
+    ``progress`` shows a bar over (length, peer) naming the peer being timed (an 8K run takes minutes per peer).
+    """
     rows: list[PeerRow] = []
-    for target in lengths:
-        work = build_workload(engine, target)
-        peers: dict[str, Timed | str] = dict(engine_peers(engine, work))
-        peers["LangChain HuggingFacePipeline"] = huggingface_pipeline_peer(engine, work)
-        peers.update(llama_cpp_peers(gguf, work))
-        peers["KVBoost (chunk KV reuse, warm)"] = kvboost_peer(engine, work)
-        for name, peer in peers.items():
-            if isinstance(peer, str):
-                rows.append(PeerRow(name, work.tokens, None, None, peer))
-                continue
-            try:
-                rows.append(measure(name, work.tokens, peer, runs))
-            except Exception as e:  # noqa: BLE001 - a peer failing is a result to report, not a crash
-                rows.append(PeerRow(name, work.tokens, None, None, f"failed: {type(e).__name__}: {e}"[:200]))
+    with tqdm(desc="peers", unit="peer", disable=not progress) as bar:
+        for target in lengths:
+            work = build_workload(engine, target)
+            peers: dict[str, Timed | str] = dict(engine_peers(engine, work))
+            peers["LangChain HuggingFacePipeline"] = huggingface_pipeline_peer(engine, work)
+            peers.update(llama_cpp_peers(gguf, work))
+            peers["KVBoost (chunk KV reuse, warm)"] = kvboost_peer(engine, work)
+            bar.total = len(lengths) * len(peers)
+            for name, peer in peers.items():
+                bar.set_postfix_str(f"{name} @{work.tokens}")
+                rows.append(_timed_row(name, work.tokens, peer, runs))
+                bar.update()
     return rows
+
+
+def _timed_row(name: str, tokens: int, peer: Timed | str, runs: int) -> PeerRow:
+    if isinstance(peer, str):
+        return PeerRow(name, tokens, None, None, peer)
+    try:
+        return measure(name, tokens, peer, runs)
+    except Exception as e:  # noqa: BLE001 - a peer failing is a result to report, not a crash
+        return PeerRow(name, tokens, None, None, f"failed: {type(e).__name__}: {e}"[:200])
 
 
 def format_rows(rows: Sequence[PeerRow]) -> str:

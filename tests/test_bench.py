@@ -6,10 +6,11 @@ import pytest
 import torch
 from conftest import tiny_model
 
+from pc_rag import peers as peers_module
 from pc_rag.cli import main
 from pc_rag.footprint import kv_footprint
 from pc_rag.kv import kv_shape
-from pc_rag.peers import build_workload, engine_peers, llama_cpp_peers, measure
+from pc_rag.peers import build_workload, engine_peers, llama_cpp_peers, measure, run_peers
 from pc_rag.rag import RagEngine, RagPrompt
 
 
@@ -33,6 +34,27 @@ def test_engine_peers_are_timed(engine: RagEngine) -> None:
 def test_unavailable_peer_reports_why(engine: RagEngine) -> None:
     peers = llama_cpp_peers(None, build_workload(engine, 256))
     assert all(isinstance(p, str) and ("not installed" in p or "GGUF" in p) for p in peers.values())
+
+
+def test_every_peer_gets_one_row_per_length_failures_included(
+    engine: RagEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def broken(engine: RagEngine, work: object) -> object:
+        def run(n: int) -> tuple[float | None, float]:
+            raise RuntimeError("out of memory")
+
+        return run
+
+    monkeypatch.setattr(peers_module, "kvboost_peer", broken)
+    monkeypatch.setattr(peers_module, "huggingface_pipeline_peer", lambda engine, work: "not installed here")
+    rows = run_peers(engine, [200, 300], runs=1, gguf=None, progress=False)
+    by_length = [[r for r in rows if r.context_tokens == n] for n in sorted({r.context_tokens for r in rows})]
+    assert len(by_length) == 2 and all(len(group) == 8 for group in by_length)
+    for group in by_length:
+        notes = {r.peer: r.note for r in group}
+        assert notes["KVBoost (chunk KV reuse, warm)"] == "failed: RuntimeError: out of memory"
+        assert notes["LangChain HuggingFacePipeline"] == "not installed here"
+        assert all(r.ttft_ms > 0 for r in group[:4]) and all(r.ttft_ms is None for r in group[4:])
 
 
 def test_footprint_matches_the_kv_shape(engine: RagEngine) -> None:

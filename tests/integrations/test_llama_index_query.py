@@ -42,8 +42,6 @@ QUESTION = "Which mountain is the highest of Japan?"
 NEW = 4  # new tokens per answer: enough to compare texts, cheap on two cores
 
 
-
-
 pytestmark = pytest.mark.usefixtures("no_network")  # LlamaIndex must not fetch anything
 
 
