@@ -15,6 +15,7 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from tqdm import tqdm
 
@@ -32,6 +33,7 @@ class PeerRow:
     ttft_ms: float | None
     decode_tokens_per_s: float | None
     note: str = ""
+    decode_tokens: int | None = None  # tokens of the decode-speed reply (fewer than 32 when it hit EOS)
 
 
 @dataclass(frozen=True)
@@ -63,34 +65,44 @@ def build_workload(engine: RagEngine, target: int) -> Workload:
     return Workload(chunks, QUESTION, decode(ids), len(ids), decode(ids[:documents]))
 
 
-# max_new_tokens -> (first-token ms or None when the peer cannot tell, whole-reply ms)
-Timed = Callable[[int], tuple[float | None, float]]
+class Reply(NamedTuple):
+    """One timed reply: first-token ms (None when the peer cannot tell), whole-reply ms, tokens generated."""
+
+    first_ms: float | None
+    total_ms: float
+    tokens: int
+
+
+Timed = Callable[[int], Reply]  # max_new_tokens -> the reply
 
 
 def measure(peer: str, tokens: int, timed: Timed, runs: int) -> PeerRow:
-    """TTFT as the median of ``runs`` one-token replies after a warm-up; decode speed from a 32-token reply."""
+    """TTFT as the median of ``runs`` one-token replies after a warm-up; decode speed from a reply of up to
+    32 tokens, over the tokens it actually generated (a reply may end early at EOS)."""
     timed(1)
-    ttft = statistics.median(timed(1)[1] for _ in range(runs))
-    first, total = timed(DECODE_TOKENS)
-    decode_ms = total - (first if first is not None else ttft)
-    return PeerRow(peer, tokens, ttft, (DECODE_TOKENS - 1) / decode_ms * 1000 if decode_ms > 0 else None)
+    ttft = statistics.median(timed(1).total_ms for _ in range(runs))
+    reply = timed(DECODE_TOKENS)
+    decode_ms = reply.total_ms - (reply.first_ms if reply.first_ms is not None else ttft)
+    speed = (reply.tokens - 1) / decode_ms * 1000 if reply.tokens > 1 and decode_ms > 0 else None
+    note = "" if speed is not None else f"no decode speed: the reply ended after {reply.tokens} token(s)"
+    return PeerRow(peer, tokens, ttft, speed, note, reply.tokens)
 
 
 def engine_peers(engine: RagEngine, work: Workload) -> dict[str, Timed]:
     """Our cached path (default recovery and plain splicing), prefix caching and full prefill, one runtime."""
 
     def answer(mode: str) -> Timed:
-        def run(n: int) -> tuple[float | None, float]:
+        def run(n: int) -> Reply:
             # stats time the reply only: chunks are already encoded and stored, as in a store
             result = engine.answer(work.chunks, work.question, mode, max_new_tokens=n)
-            return result.stats.ttft_ms, result.stats.total_ms
+            return Reply(result.stats.ttft_ms, result.stats.total_ms, result.stats.new_tokens)
 
         return run
 
     def full(reuse_preamble: bool) -> Timed:
-        def run(n: int) -> tuple[float | None, float]:
+        def run(n: int) -> Reply:
             result = engine.answer_full(work.chunks, work.question, reuse_preamble=reuse_preamble, max_new_tokens=n)
-            return result.stats.ttft_ms, result.stats.total_ms
+            return Reply(result.stats.ttft_ms, result.stats.total_ms, result.stats.new_tokens)
 
         return run
 
@@ -113,11 +125,11 @@ def huggingface_pipeline_peer(engine: RagEngine, work: Workload) -> Timed | str:
     pipe = pipeline("text-generation", model=lm.model, tokenizer=lm.tokenizer, device=lm.model.device)
     llm = HuggingFacePipeline(pipeline=pipe)
 
-    def run(n: int) -> tuple[float | None, float]:
+    def run(n: int) -> Reply:
         settings = {"max_new_tokens": n, "min_new_tokens": n, "do_sample": False, "return_full_text": False}
         start = time.perf_counter()
         llm.invoke(work.text, pipeline_kwargs=settings)
-        return None, (time.perf_counter() - start) * 1000
+        return Reply(None, (time.perf_counter() - start) * 1000, n)  # min_new_tokens: exactly n
 
     return run
 
@@ -136,11 +148,11 @@ def llama_cpp_peers(gguf: str | None, work: Workload) -> dict[str, Timed | str]:
     prompt = llm.tokenize(work.text.encode(), add_bos=False, special=True)
     documents = llm.tokenize(work.documents_text.encode(), add_bos=False, special=True)
 
-    def cold(n: int) -> tuple[float | None, float]:
+    def cold(n: int) -> Reply:
         llm.reset()  # forget every cached token: a full prefill
         return _llama_ms(llm, prompt, n)
 
-    def warm(n: int) -> tuple[float | None, float]:
+    def warm(n: int) -> Reply:
         # an earlier request held the same preamble and documents (another question); generate() reuses the
         # longest common prefix of its context, so only the question is computed, as in our cached path
         llm.reset()
@@ -150,15 +162,15 @@ def llama_cpp_peers(gguf: str | None, work: Workload) -> dict[str, Timed | str]:
     return dict(zip(names, (cold, warm), strict=True))
 
 
-def _llama_ms(llm: object, prompt: list[int], n: int) -> tuple[float | None, float]:
+def _llama_ms(llm: object, prompt: list[int], n: int) -> Reply:
     start = time.perf_counter()
-    first = None
-    for i, _ in enumerate(llm.generate(prompt, temp=0.0)):  # type: ignore[attr-defined]
+    first, count = None, 0
+    for count, _ in enumerate(llm.generate(prompt, temp=0.0), start=1):  # type: ignore[attr-defined]
         if first is None:
             first = (time.perf_counter() - start) * 1000
-        if i + 1 == n:
+        if count == n:
             break
-    return first, (time.perf_counter() - start) * 1000
+    return Reply(first, (time.perf_counter() - start) * 1000, count)
 
 
 def kvboost_peer(engine: RagEngine, work: Workload) -> Timed | str:
@@ -170,10 +182,10 @@ def kvboost_peer(engine: RagEngine, work: Workload) -> Timed | str:
     boost = KVBoost(model=engine.lm.model, tokenizer=engine.lm.tokenizer, max_cache_bytes=4 << 30, device="cpu")
     boost.generate(work.text, max_new_tokens=1)  # stores the prompt's chunks
 
-    def run(n: int) -> tuple[float | None, float]:
+    def run(n: int) -> Reply:
         start = time.perf_counter()
         result = boost.generate(work.text, max_new_tokens=n)
-        return result.ttft_ms, (time.perf_counter() - start) * 1000
+        return Reply(result.ttft_ms, (time.perf_counter() - start) * 1000, result.generated_tokens)
 
     return run
 
@@ -211,14 +223,17 @@ def _timed_row(name: str, tokens: int, peer: Timed | str, runs: int) -> PeerRow:
 
 
 def format_rows(rows: Sequence[PeerRow]) -> str:
-    """A plain-text table: TTFT, speedup against full prefill at the same length, decode tokens/s."""
+    """A plain-text table: TTFT, speedup against full prefill at the same length, decode tokens/s over how many
+    generated tokens."""
     full = {r.context_tokens: r.ttft_ms for r in rows if r.peer.startswith("full prefill") and r.ttft_ms}
-    lines = [f"{'peer':<54} {'tokens':>6} {'TTFT ms':>9} {'vs full':>8} {'decode tok/s':>12}"]
+    lines = [f"{'peer':<54} {'tokens':>6} {'TTFT ms':>9} {'vs full':>8} {'decode tok/s':>12} {'over':>5}"]
     for r in rows:
         if r.ttft_ms is None:
             lines.append(f"{r.peer:<54} {r.context_tokens:>6} {'-':>9} {'-':>8} {'-':>12}  {r.note}")
             continue
         ratio = full.get(r.context_tokens, 0) / r.ttft_ms
-        decode = r.decode_tokens_per_s or 0.0
-        lines.append(f"{r.peer:<54} {r.context_tokens:>6} {r.ttft_ms:>9.1f} {ratio:>7.1f}x {decode:>12.1f}")
+        decode = f"{r.decode_tokens_per_s:.1f}" if r.decode_tokens_per_s else "-"
+        over = str(r.decode_tokens) if r.decode_tokens is not None else "-"
+        line = f"{r.peer:<54} {r.context_tokens:>6} {r.ttft_ms:>9.1f} {ratio:>7.1f}x {decode:>12} {over:>5}"
+        lines.append(f"{line}  {r.note}".rstrip())
     return "\n".join(lines)

@@ -10,7 +10,7 @@ from pc_rag import peers as peers_module
 from pc_rag.cli import main
 from pc_rag.footprint import kv_footprint
 from pc_rag.kv import kv_shape
-from pc_rag.peers import build_workload, engine_peers, llama_cpp_peers, measure, run_peers
+from pc_rag.peers import Reply, build_workload, engine_peers, llama_cpp_peers, measure, run_peers
 from pc_rag.rag import RagEngine, RagPrompt
 
 
@@ -36,11 +36,22 @@ def test_unavailable_peer_reports_why(engine: RagEngine) -> None:
     assert all(isinstance(p, str) and ("not installed" in p or "GGUF" in p) for p in peers.values())
 
 
+def test_decode_speed_counts_the_tokens_a_reply_generated() -> None:
+    def stops_at_eos(n: int) -> Reply:  # first token at 10 ms; EOS after 5 tokens, 40 ms in all
+        return Reply(10.0, 10.0, 1) if n == 1 else Reply(10.0, 40.0, 5)
+
+    row = measure("peer", 100, stops_at_eos, runs=3)
+    assert row.ttft_ms == 10.0 and row.decode_tokens == 5
+    assert row.decode_tokens_per_s == pytest.approx(4 / 30 * 1000)
+    one = measure("peer", 100, lambda n: Reply(10.0, 10.0, 1), runs=1)
+    assert one.decode_tokens_per_s is None and "ended after 1 token" in one.note
+
+
 def test_every_peer_gets_one_row_per_length_failures_included(
     engine: RagEngine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     def broken(engine: RagEngine, work: object) -> object:
-        def run(n: int) -> tuple[float | None, float]:
+        def run(n: int) -> Reply:
             raise RuntimeError("out of memory")
 
         return run
