@@ -99,15 +99,16 @@ class RagEngine:
             raise PCRagError(msg)
         context = self.head_kv if conditioned else None
         start = self.canonical_start
-        out: list[Chunk] = []
-        for i in range(0, len(token_ids), _ENCODE_BATCH):
-            batch = token_ids[i : i + _ENCODE_BATCH]
-            spans = [(ids, range(start, start + len(ids))) for ids in batch]
-            for j, kv in enumerate(encode_spans(self.lm.model, spans, context)):
-                ids = tuple(batch[j])
-                text = texts[i + j] if texts is not None else self.lm.tokenizer.decode(ids)
-                out.append(Chunk(text, ids, kv.to(self.kv_device, self.kv_dtype), conditioned))
-        return out
+        out: dict[int, Chunk] = {}
+        order = sorted(range(len(token_ids)), key=lambda i: len(token_ids[i]))  # similar lengths: little padding
+        for b in range(0, len(order), _ENCODE_BATCH):
+            batch = order[b : b + _ENCODE_BATCH]
+            spans = [(token_ids[i], range(start, start + len(token_ids[i]))) for i in batch]
+            for i, kv in zip(batch, encode_spans(self.lm.model, spans, context), strict=True):
+                ids = tuple(token_ids[i])
+                text = texts[i] if texts is not None else self.lm.tokenizer.decode(ids)
+                out[i] = Chunk(text, ids, kv.to(self.kv_device, self.kv_dtype), conditioned)
+        return [out[i] for i in range(len(token_ids))]
 
     def full_ids(self, chunks: Sequence[Chunk], question: str) -> list[int]:
         """The plain prompt: head, chunk tokens and question tokens, tokenized piecewise."""
