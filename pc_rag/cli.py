@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-import tempfile
 from pathlib import Path
 
 from pc_rag.errors import PCRagError
@@ -152,8 +151,8 @@ def _add_eval_parser(commands: argparse._SubParsersAction) -> None:
     ev.add_argument("--max-new-tokens", type=int, default=32)
     ev.add_argument("--setting", default="closed", help="closed, open or closed,open (open: pooled store, top-k)")
     ev.add_argument("-k", type=int, default=10, help="open retrieval: passages retrieved per question")
-    ev.add_argument("--store-dir", type=Path, default=None, help="open retrieval: where pooled stores are built "
-                    "and reused (default: next to --json, else a temporary directory)")  # fmt: skip
+    ev.add_argument("--store-dir", type=Path, default=None, help="open retrieval: where pooled stores are "
+                    "built and reused, one per pool and model (default: the pc-rag cache, eval-stores/)")  # fmt: skip
     ev.add_argument("--state", type=Path, default=None, help="resume file (default: the --json path + .partial.jsonl)")
 
 
@@ -163,7 +162,7 @@ def _run_eval(args: argparse.Namespace) -> int:
     from pc_rag.eval import aggregate, format_table, load_datasets, parse_modes, plot, run_eval, write_json
     from pc_rag.eval.contexts import ClosedContexts, OpenContexts
     from pc_rag.eval.report import require_matplotlib
-    from pc_rag.model import DEFAULT_MODEL, load_model
+    from pc_rag.model import DEFAULT_MODEL, cache_dir, load_model
 
     if args.max_new_tokens < 1:
         msg = f"--max-new-tokens must be >= 1, got {args.max_new_tokens}"
@@ -193,12 +192,11 @@ def _run_eval(args: argparse.Namespace) -> int:
 
     lm = load_model(args.model or DEFAULT_MODEL, device=args.device)
     engine = RagEngine(lm, RagPrompt.longbench())
-    with tempfile.TemporaryDirectory(prefix="pc-rag-eval-") as scratch:
-        stores = args.store_dir or (args.json.with_name(args.json.name + ".stores") if args.json else Path(scratch))
-        records = []
-        for setting in settings:
-            contexts = ClosedContexts(engine) if setting == "closed" else OpenContexts(engine, examples, args.k, stores)
-            records += run_eval(engine, examples, modes, contexts, state_path=state, max_new_tokens=args.max_new_tokens)
+    stores = args.store_dir or cache_dir() / "eval-stores"
+    records = []
+    for setting in settings:
+        contexts = ClosedContexts(engine) if setting == "closed" else OpenContexts(engine, examples, args.k, stores)
+        records += run_eval(engine, examples, modes, contexts, state_path=state, max_new_tokens=args.max_new_tokens)
     rows = aggregate(records, modes)
     print(format_table(rows))
     if args.json:

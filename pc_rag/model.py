@@ -74,7 +74,7 @@ class LoadedModel:
 
 
 def cache_dir() -> Path:
-    """Where converted models are kept: ``$PC_RAG_CACHE`` or ``$XDG_CACHE_HOME/pc-rag``."""
+    """Where converted models (and eval stores) are kept: ``$PC_RAG_CACHE`` or ``$XDG_CACHE_HOME/pc-rag``."""
     root = os.environ.get("PC_RAG_CACHE")
     if root:
         return Path(root)

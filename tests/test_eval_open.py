@@ -47,7 +47,9 @@ def test_open_retrieval_records_recall_and_reuses_the_pool(tmp_path, engine: Rag
     assert all(r.retrieval_recall == 1.0 for r in records)  # the supporting passage is the lexical best match
     chunks = contexts.chunks(EXAMPLES[0], "default")
     assert len(chunks) == 2 and chunks[0].text.startswith("Danube\n")
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["toy-conditioned", "toy-isolated"]
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert [n.rsplit("-", 1)[1] for n in names] == ["conditioned", "isolated"]
+    assert len({n.rsplit("-", 1)[0] for n in names}) == 1  # one pool: the same name for both encodings
     store = contexts._store("toy", conditioned=True)
     assert len(store) == len(FACTS)  # each passage once, one chunk each, although every example lists it
     assert {passage_id(p) for p in EXAMPLES[0].passages} == set(store.documents)
@@ -55,3 +57,34 @@ def test_open_retrieval_records_recall_and_reuses_the_pool(tmp_path, engine: Rag
     assert row["setting"] == "open" and row["retrieval_recall"] == 1.0
     reopened = OpenContexts(engine, EXAMPLES, k=1, directory=tmp_path, embedder=embedder())
     assert reopened.recall(EXAMPLES[1]) == 1.0 and len(reopened.chunks(EXAMPLES[1], "naive")) == 1
+
+
+def test_a_different_pool_gets_its_own_store(tmp_path, engine: RagEngine) -> None:
+    OpenContexts(engine, EXAMPLES, k=1, directory=tmp_path, embedder=embedder())._store("toy", conditioned=True)
+    smaller = [Example("toy", "0", "Which river?", ("Danube",), EXAMPLES[0].passages[:2])]
+    store = OpenContexts(engine, smaller, k=1, directory=tmp_path, embedder=embedder())._store("toy", conditioned=True)
+    assert len(store) == 2 and len(list(tmp_path.iterdir())) == 2  # not the four-passage store of the first pool
+
+
+def test_an_interrupted_store_build_resumes(tmp_path, engine: RagEngine, monkeypatch: pytest.MonkeyPatch) -> None:
+    from pc_rag.store.document_store import DocumentStore
+
+    added: list[list[str]] = []
+    interrupt = [True]
+    real_add = DocumentStore.add_documents
+
+    def add(self, documents, ids=None, **kwargs):
+        if interrupt[0] and added:
+            raise KeyboardInterrupt  # the user stops the build during its second part
+        added.append(list(ids))
+        return real_add(self, documents, ids=ids, **kwargs)
+
+    monkeypatch.setattr(DocumentStore, "add_documents", add)
+    contexts = OpenContexts(engine, EXAMPLES, k=1, directory=tmp_path, embedder=embedder())
+    contexts.build_part = 3
+    with pytest.raises(KeyboardInterrupt):
+        contexts._store("toy", conditioned=True)
+    interrupt[0] = False
+    store = OpenContexts(engine, EXAMPLES, k=1, directory=tmp_path, embedder=embedder())._store("toy", conditioned=True)
+    assert [len(part) for part in added] == [3, 1]  # the saved first part was kept, only the rest was encoded
+    assert set(store.documents) == {passage_id(p) for p in EXAMPLES[0].passages} and len(store) == len(FACTS)

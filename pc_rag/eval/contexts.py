@@ -58,9 +58,13 @@ class OpenContexts:
     """Every passage of ``examples`` pooled per dataset in a store under ``directory``; top ``k`` per question.
 
     One store per dataset and encoding (isolated for ``naive``, after the preamble otherwise), built
-    on first use (or reopened when ``directory`` already holds it). Each passage is one chunk: the
-    store's chunk size is set above the longest passage.
+    on first use. Its directory is named by what it holds (the pooled passages, the model, the
+    preamble), so a store is reused only for the same pool; a build adds passages in parts, each
+    saved, so an interrupted build resumes. Each passage is one chunk: the store's chunk size is set
+    above the longest passage.
     """
+
+    build_part = 512  # passages per saved step of a store build
 
     setting = "open"
 
@@ -98,24 +102,35 @@ class OpenContexts:
 
     def _store(self, dataset: str, conditioned: bool) -> Any:
         from pc_rag.store.document_store import DocumentStore
+        from pc_rag.store.manifest import MANIFEST_NAME
 
         key = (dataset, conditioned)
         if key not in self._stores:
-            path = self.directory / f"{dataset}-{'conditioned' if conditioned else 'isolated'}"
-            if path.exists():
-                self._stores[key] = DocumentStore.load(path, self.engine, embedder=self.embedder)
+            unique = {passage_id(p): p for p in self._pools[dataset]}
+            encoding = "conditioned" if conditioned else "isolated"
+            path = self.directory / f"{dataset}-{self._pool_digest(unique)}-{encoding}"
+            if (path / MANIFEST_NAME).is_file():
+                store = DocumentStore.load(path, self.engine, embedder=self.embedder)
             else:
-                unique = {passage_id(p): p for p in self._pools[dataset]}
-                texts = [passage_text(p) for p in unique.values()]
-                longest = max(len(self.engine.tokenize(t)) for t in texts)
+                longest = max(len(self.engine.tokenize(passage_text(p))) for p in unique.values())
                 store = DocumentStore.create(
                     path, self.engine, embedder=self.embedder, chunk_tokens=longest + 16, overlap_tokens=0,
                     mode="prefix" if conditioned else "naive",
                 )  # fmt: skip
-                store.add_documents([(t, {"title": p.title}) for t, p in zip(texts, unique.values(), strict=True)],
-                                    ids=list(unique))  # fmt: skip
-                self._stores[key] = store
+            stored = set(store.documents)
+            missing = [pid for pid in unique if pid not in stored]
+            for i in range(0, len(missing), self.build_part):
+                part = missing[i : i + self.build_part]
+                documents = [(passage_text(unique[pid]), {"title": unique[pid].title}) for pid in part]
+                store.add_documents(documents, ids=part)
+            self._stores[key] = store
         return self._stores[key]
+
+    def _pool_digest(self, unique: dict[str, Passage]) -> str:
+        """A short name for a pool under this model and preamble: a different pool or model gets its own store."""
+        digest = hashlib.sha256(f"{self.engine.lm.fingerprint()}\x00{self.engine.prompt.digest()}".encode())
+        digest.update("\n".join(sorted(unique)).encode())
+        return digest.hexdigest()[:12]
 
 
 def passage_text(passage: Passage) -> str:
