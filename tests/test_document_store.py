@@ -77,6 +77,41 @@ def test_reload_gives_the_same_store(tmp_path, engine: RagEngine) -> None:
     torch.testing.assert_close(after.result.first_logits, before.result.first_logits)
 
 
+def test_an_interrupted_add_loses_nothing_saved_and_its_kv_is_reclaimed(tmp_path, engine: RagEngine) -> None:
+    store = make_store(tmp_path, engine)
+    saved = {cid: store.kv.get(cid) for cid in store.manifest.chunks}
+    embedded: list[int] = []
+
+    def interrupted(texts: list[str]) -> np.ndarray:
+        if embedded:
+            raise KeyboardInterrupt  # stopped during the second batch, after its KV was written
+        embedded.append(len(texts))
+        return bag_of_words(texts)
+
+    store.embedder = as_embedder(interrupted, name="test-bag-of-words")
+    with pytest.raises(KeyboardInterrupt):
+        store.add_documents([f"Extra note {i} about the river Rhine." for i in range(40)], progress=False)
+    written = store.kv.nbytes
+    reopened = DocumentStore.load(tmp_path / "store", engine, embedder=embedder())
+    assert reopened.documents == ["eiffel", "fuji", "danube"] and reopened.kv.ids() == sorted(saved)
+    assert reopened.kv.nbytes < written / 4  # the unlisted chunks' shards are gone from disk
+    for cid, span in saved.items():
+        torch.testing.assert_close(reopened.kv.get(cid).keys, span.keys)
+    assert reopened.search("Where does the Danube flow?", k=1)[0].doc_id == "danube"
+
+
+def test_a_document_listed_without_its_chunks_is_dropped_on_load(tmp_path, engine: RagEngine) -> None:
+    store = DocumentStore.create(tmp_path / "store", engine, embedder=embedder(), chunk_tokens=8, overlap_tokens=0)
+    store.add_documents(DOCS, ids=["eiffel", "fuji", "danube"], progress=False)  # several chunks per document
+    fuji = store.manifest.docs["fuji"].chunk_ids
+    assert len(fuji) > 1
+    del store.manifest.chunks[fuji[0]]  # as an interrupted add of an earlier version could leave it
+    store.manifest.save(tmp_path / "store" / "manifest.json")
+    reopened = DocumentStore.load(tmp_path / "store", engine, embedder=embedder())
+    assert reopened.documents == ["eiffel", "danube"] and not set(fuji) & set(reopened.kv.ids())
+    assert not set(fuji) & set(reopened.index.ids()) and all(h.doc_id != "fuji" for h in reopened.search("Fuji", k=50))
+
+
 def test_store_refuses_another_model_or_embedder(tmp_path, engine: RagEngine, tokenizer) -> None:
     make_store(tmp_path, engine)
     other = RagEngine(tiny_model("qwen2", tokenizer), RagPrompt())

@@ -139,10 +139,33 @@ class DocumentStore:
         manifest.check_compatible(expected)
         kv = KVStore(directory, dtype=storage, compute_dtype=engine.lm.dtype, lru_bytes=lru_bytes, manifest=manifest)
         index = VectorIndex.load(directory / INDEX_NAME)
-        return cls(directory, engine, manifest, kv, index, embedder, mode)
+        store = cls(directory, engine, manifest, kv, index, embedder, mode)
+        store._drop_unlisted()
+        return store
 
     def __len__(self) -> int:
         return len(self.manifest.chunks)
+
+    def _drop_unlisted(self) -> None:
+        """After an interrupted write: forget what the manifest does not list (KV, index entries, documents
+        missing a chunk) so the store is exactly its last committed contents, and free the KV on disk."""
+        chunks = self.manifest.chunks
+        partial = [d for d, rec in self.manifest.docs.items() if not all(c in chunks for c in rec.chunk_ids)]
+        for doc_id in partial:
+            for cid in self.manifest.docs.pop(doc_id).chunk_ids:
+                self.manifest.chunks.pop(cid, None)
+        listed = set(self.manifest.chunks)
+        unindexed = self.index.remove(set(self.index.ids()) - listed)
+        orphans = set(self.kv.ids()) - listed
+        if not (partial or unindexed or orphans):
+            return
+        self.kv.delete(orphans)
+        freed = self.kv.compact()
+        self.save()
+        logger.warning(
+            "%s was interrupted while writing: dropped %d unlisted chunks' KV (%d bytes), %d index entries and %d "
+            "partly stored documents", self.directory, len(orphans), freed, unindexed, len(partial),
+        )  # fmt: skip
 
     @property
     def documents(self) -> list[str]:
@@ -173,14 +196,18 @@ class DocumentStore:
         next_id = self.manifest.next_chunk_id()
         records: dict[int, ChunkRecord] = {}
         token_ids: dict[int, list[int]] = {}  # tokenized once: counted for the manifest, then encoded
+        new_docs: dict[str, DocRecord] = {}
         for doc_id, text, meta, spans in pieces:
             chunk_ids = tuple(range(next_id, next_id + len(spans)))
             next_id += len(spans)
             for cid, span in zip(chunk_ids, spans, strict=True):
                 token_ids[cid] = self.engine.tokenize(module_text(span.text))
                 records[cid] = ChunkRecord(doc_id, span.text, len(token_ids[cid]), span.start_char, span.end_char, meta)
-            self.manifest.docs[doc_id] = DocRecord(chunk_ids, hashlib.sha256(text.encode()).hexdigest(), meta)
+            new_docs[doc_id] = DocRecord(chunk_ids, hashlib.sha256(text.encode()).hexdigest(), meta)
         self._encode_and_index(records, token_ids, progress)
+        # listed only now: KV writes save the manifest as they go, and an interrupted add must not list a
+        # document whose chunks are not all there
+        self.manifest.docs.update(new_docs)
         self.manifest.chunks.update(records)
         self.save()
         return ids

@@ -96,6 +96,9 @@ class VectorIndex:
     def __contains__(self, chunk_id: object) -> bool:
         return chunk_id in self._ids
 
+    def ids(self) -> list[int]:
+        return sorted(self._ids)
+
     def add(self, ids: Iterable[int], vectors: np.ndarray) -> None:
         """Add ``vectors`` [N, dim] under ``ids`` [N]; ids must be new (remove them first to replace)."""
         id_array = np.fromiter(ids, dtype=np.int64)
