@@ -19,6 +19,7 @@ from typing import NamedTuple
 
 from tqdm import tqdm
 
+from pc_rag.generate import GenerationResult
 from pc_rag.rag.engine import Chunk, RagEngine
 from pc_rag.sample import sample_questions
 
@@ -94,15 +95,14 @@ def engine_peers(engine: RagEngine, work: Workload) -> dict[str, Timed]:
     def answer(mode: str) -> Timed:
         def run(n: int) -> Reply:
             # stats time the reply only: chunks are already encoded and stored, as in a store
-            result = engine.answer(work.chunks, work.question, mode, max_new_tokens=n)
-            return Reply(result.stats.ttft_ms, result.stats.total_ms, result.stats.new_tokens)
+            return _engine_reply(engine.answer(work.chunks, work.question, mode, max_new_tokens=n))
 
         return run
 
     def full(reuse_preamble: bool) -> Timed:
         def run(n: int) -> Reply:
-            result = engine.answer_full(work.chunks, work.question, reuse_preamble=reuse_preamble, max_new_tokens=n)
-            return Reply(result.stats.ttft_ms, result.stats.total_ms, result.stats.new_tokens)
+            full = engine.answer_full(work.chunks, work.question, reuse_preamble=reuse_preamble, max_new_tokens=n)
+            return _engine_reply(full)
 
         return run
 
@@ -112,6 +112,10 @@ def engine_peers(engine: RagEngine, work: Workload) -> dict[str, Timed]:
         "prefix caching (preamble cached, documents computed)": full(True),
         "full prefill (transformers, same runtime)": full(False),
     }
+
+
+def _engine_reply(result: GenerationResult) -> Reply:
+    return Reply(result.stats.ttft_ms, result.stats.total_ms, result.stats.new_tokens)
 
 
 def huggingface_pipeline_peer(engine: RagEngine, work: Workload) -> Timed | str:
