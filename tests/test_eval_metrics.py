@@ -8,7 +8,15 @@ import numpy as np
 import pytest
 import torch
 
-from pc_rag.eval.metrics import QuestionRecord, aggregate, first_token_kl, make_record, percentile
+from pc_rag.eval.metrics import (
+    QuestionRecord,
+    aggregate,
+    first_token_kl,
+    make_record,
+    paired_bootstrap_ci,
+    percentile,
+)
+from pc_rag.eval.report import format_table
 from pc_rag.generate import GenerationResult, GenerationStats
 
 
@@ -100,3 +108,28 @@ def test_aggregate_rows_per_dataset_and_all() -> None:
     assert [r.mode for r in aggregate(records, ["naive"])] == ["naive"] * 3  # unlisted modes are not reported
     only_the = aggregate([_rec("d", "m", 0, 1, 1, agree=True, the=True)])
     assert only_the[0].first_token_agreement_non_the is None
+
+
+def test_f1_delta_is_paired_with_full_on_the_same_questions() -> None:
+    records = [
+        _rec("hotpotqa", "full", 0, 1.0, 100, agree=True),
+        _rec("hotpotqa", "full", 1, 0.5, 200, agree=True),
+        _rec("hotpotqa", "naive", 0, 0.0, 10, agree=False),
+        _rec("hotpotqa", "naive", 1, 0.5, 20, agree=True),
+    ]
+    naive, full = aggregate(records, ["naive", "full"])[:2]
+    assert naive.f1_delta == pytest.approx(-50.0)
+    low, high = naive.f1_delta_ci95
+    assert -100 <= low <= -50 <= high <= 0  # resampling the two deltas, -100 and 0
+    assert full.f1_delta is None and full.f1_delta_ci95 is None
+    unpaired = aggregate([*records, _rec("hotpotqa", "naive", 2, 1.0, 30, agree=True)], ["naive"])[0]
+    assert unpaired.f1_delta is None and unpaired.f1_delta_ci95 is None  # question 2 has no full answer
+    assert "-50.00 [" in format_table([naive, full])
+
+
+def test_paired_bootstrap_ci_matches_the_normal_interval() -> None:
+    assert paired_bootstrap_ci([2.5] * 30) == [2.5, 2.5]
+    deltas = [1.0, -1.0] * 200  # mean 0, standard error 1 / sqrt(400) = 0.05
+    low, high = paired_bootstrap_ci(deltas)
+    assert low == pytest.approx(-1.96 * 0.05, abs=0.015) and high == pytest.approx(1.96 * 0.05, abs=0.015)
+    assert paired_bootstrap_ci(deltas) == [low, high]  # seeded: the same interval every time

@@ -6,9 +6,9 @@ answers in each mode and full prefill, scores and compares them, and reports.
 
 from pc_rag.eval.datasets import Example, Passage, load_datasets, load_examples, split_longbench_context
 from pc_rag.eval.longbench import best_f1, normalize_answer, qa_f1_score
-from pc_rag.eval.metrics import QuestionRecord, ResultRow, aggregate, first_token_kl
+from pc_rag.eval.metrics import FULL, QuestionRecord, ResultRow, aggregate, first_token_kl, paired_bootstrap_ci
 from pc_rag.eval.report import format_table, plot, results_json, write_json
-from pc_rag.eval.runner import FULL, EvalEngine, load_state, parse_modes, run_eval
+from pc_rag.eval.runner import EvalEngine, load_state, parse_modes, run_eval
 
 __all__ = [
     "FULL",
@@ -25,6 +25,7 @@ __all__ = [
     "load_examples",
     "load_state",
     "normalize_answer",
+    "paired_bootstrap_ci",
     "parse_modes",
     "plot",
     "qa_f1_score",

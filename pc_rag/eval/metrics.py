@@ -18,6 +18,8 @@ from pc_rag.eval.longbench import best_f1
 from pc_rag.generate import GenerationResult
 
 ALL = "all"  # the dataset name of the rows that pool every dataset
+FULL = "full"  # full prefill of the same tokens: the reference every mode is compared with
+BOOTSTRAP_ROUNDS = 2000
 _STARTS_WITH_THE = re.compile(r"\s*The\b")
 
 
@@ -60,6 +62,8 @@ class ResultRow:
     first_token_agreement_non_the: float | None  # None when every full answer starts with "The"
     identical: float
     retrieval_recall: float | None = None  # open retrieval only: mean share of supporting passages retrieved
+    f1_delta: float | None = None  # F1 minus full prefill's on the same questions (None for full itself)
+    f1_delta_ci95: list[float] | None = None  # paired bootstrap 95% interval of f1_delta
 
 
 def first_token_kl(full_logits: torch.Tensor, mode_logits: torch.Tensor) -> float:
@@ -122,6 +126,7 @@ def aggregate(records: Iterable[QuestionRecord], modes: Sequence[str] | None = N
     ``modes`` order (default: first-seen order); records of other modes are ignored.
     """
     records = list(records)
+    full_f1 = {(r.setting, r.dataset, r.id): r.f1 for r in records if r.mode == FULL}
     if modes is None:
         modes = list(dict.fromkeys(r.mode for r in records))
     rows = []
@@ -132,11 +137,14 @@ def aggregate(records: Iterable[QuestionRecord], modes: Sequence[str] | None = N
             for mode in modes:
                 group = [r for r in in_setting if r.mode == mode and dataset in (ALL, r.dataset)]
                 if group:
-                    rows.append(_row(dataset, mode, group))
+                    rows.append(_row(dataset, mode, group, full_f1))
     return rows
 
 
-def _row(dataset: str, mode: str, group: list[QuestionRecord]) -> ResultRow:
+def _row(dataset: str, mode: str, group: list[QuestionRecord], full_f1: dict[tuple[str, str, str], float]) -> ResultRow:
+    paired = [(r.f1, full_f1.get((r.setting, r.dataset, r.id))) for r in group]
+    deltas = [100 * (f1 - full) for f1, full in paired if full is not None] if mode != FULL else []
+    complete = bool(deltas) and len(deltas) == len(group)  # a delta only over the very same questions
     non_the = [r.first_token_agreement for r in group if not r.full_starts_with_the]
     recalls = [r.retrieval_recall for r in group if r.retrieval_recall is not None]
     ttfts = [r.ttft_ms for r in group]
@@ -157,7 +165,17 @@ def _row(dataset: str, mode: str, group: list[QuestionRecord]) -> ResultRow:
         first_token_agreement_non_the=_mean(non_the) if non_the else None,
         identical=_mean(r.identical for r in group),
         retrieval_recall=_mean(recalls) if recalls else None,
+        f1_delta=_mean(deltas) if complete else None,
+        f1_delta_ci95=paired_bootstrap_ci(deltas) if complete else None,
     )
+
+
+def paired_bootstrap_ci(deltas: Sequence[float], rounds: int = BOOTSTRAP_ROUNDS, seed: int = 0) -> list[float]:
+    """The 95% percentile interval of the mean of per-question differences, resampling questions (seeded)."""
+    values = torch.tensor(deltas, dtype=torch.float64)
+    picks = torch.randint(len(values), (rounds, len(values)), generator=torch.Generator().manual_seed(seed))
+    means = values[picks].mean(dim=1).tolist()
+    return [percentile(means, 0.025), percentile(means, 0.975)]
 
 
 def _mean(values: Iterable[float]) -> float:

@@ -16,11 +16,20 @@ from typing import Any
 from pc_rag.errors import EvalError
 from pc_rag.eval.metrics import ALL, ResultRow
 
+
+def _f1_delta(row: ResultRow) -> str:
+    if row.f1_delta is None or row.f1_delta_ci95 is None:
+        return "-"
+    low, high = row.f1_delta_ci95
+    return f"{row.f1_delta:+.2f} [{low:+.2f},{high:+.2f}]"
+
+
 _COLUMNS = (  # header, width, cell
     ("dataset", 10, lambda r: r.dataset),
     ("mode", 10, lambda r: r.mode),
     ("n", 5, lambda r: f"{r.n}"),
     ("F1", 6, lambda r: f"{r.f1:.2f}"),
+    ("dF1 [95% CI]", 21, _f1_delta),
     ("agree", 6, lambda r: f"{r.agreement:.3f}"),
     ("tok1", 6, lambda r: f"{r.first_token_agreement:.3f}"),
     (
@@ -38,6 +47,7 @@ _COLUMNS = (  # header, width, cell
 def format_table(rows: Sequence[ResultRow]) -> str:
     """A fixed-width table, one line per (dataset, mode); F1 x100, shares in [0, 1], KL in nats, TTFT in ms.
 
+    ``dF1`` is F1 minus full prefill's on the same questions, with its paired bootstrap 95% interval;
     ``tok1`` is first-token agreement with full prefill, ``tok1~The`` the same without questions whose
     full answer starts with "The".
     """

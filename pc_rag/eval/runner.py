@@ -22,12 +22,11 @@ from tqdm import tqdm
 from pc_rag.errors import EvalError
 from pc_rag.eval.contexts import ClosedContexts, ContextSource
 from pc_rag.eval.datasets import Example
-from pc_rag.eval.metrics import QuestionRecord, make_record
+from pc_rag.eval.metrics import FULL, QuestionRecord, make_record
 from pc_rag.generate import GenerationResult
 
 logger = logging.getLogger(__name__)
 
-FULL = "full"  # full prefill of the same tokens: the reference every mode is compared with
 FULL_CHUNKS_MODE = "default"  # the encoding full prefill is given when no other mode of the example is due
 
 Key = tuple[str, str, str, str]  # (setting, dataset, id, mode)
