@@ -142,9 +142,7 @@ def aggregate(records: Iterable[QuestionRecord], modes: Sequence[str] | None = N
 
 
 def _row(dataset: str, mode: str, group: list[QuestionRecord], full_f1: dict[tuple[str, str, str], float]) -> ResultRow:
-    paired = [(r.f1, full_f1.get((r.setting, r.dataset, r.id))) for r in group]
-    deltas = [100 * (f1 - full) for f1, full in paired if full is not None] if mode != FULL else []
-    complete = bool(deltas) and len(deltas) == len(group)  # a delta only over the very same questions
+    deltas = _f1_deltas(mode, group, full_f1)
     non_the = [r.first_token_agreement for r in group if not r.full_starts_with_the]
     recalls = [r.retrieval_recall for r in group if r.retrieval_recall is not None]
     ttfts = [r.ttft_ms for r in group]
@@ -165,9 +163,21 @@ def _row(dataset: str, mode: str, group: list[QuestionRecord], full_f1: dict[tup
         first_token_agreement_non_the=_mean(non_the) if non_the else None,
         identical=_mean(r.identical for r in group),
         retrieval_recall=_mean(recalls) if recalls else None,
-        f1_delta=_mean(deltas) if complete else None,
-        f1_delta_ci95=paired_bootstrap_ci(deltas) if complete else None,
+        f1_delta=_mean(deltas) if deltas else None,
+        f1_delta_ci95=paired_bootstrap_ci(deltas) if deltas else None,
     )
+
+
+def _f1_deltas(
+    mode: str, group: list[QuestionRecord], full_f1: dict[tuple[str, str, str], float]
+) -> list[float] | None:
+    """Per-question F1 change against full prefill (x100); None for full itself or when a question lacks full's."""
+    if mode == FULL:
+        return None
+    full = [full_f1.get((r.setting, r.dataset, r.id)) for r in group]
+    if None in full:
+        return None
+    return [100 * (r.f1 - f) for r, f in zip(group, full, strict=True)]
 
 
 def paired_bootstrap_ci(deltas: Sequence[float], rounds: int = BOOTSTRAP_ROUNDS, seed: int = 0) -> list[float]:
