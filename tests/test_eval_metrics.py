@@ -133,3 +133,9 @@ def test_paired_bootstrap_ci_matches_the_normal_interval() -> None:
     low, high = paired_bootstrap_ci(deltas)
     assert low == pytest.approx(-1.96 * 0.05, abs=0.015) and high == pytest.approx(1.96 * 0.05, abs=0.015)
     assert paired_bootstrap_ci(deltas) == [low, high]  # seeded: the same interval every time
+
+
+def test_paired_bootstrap_ci_does_not_depend_on_question_order() -> None:
+    deltas = [float(i % 7) - 3.0 for i in range(50)]
+    assert paired_bootstrap_ci(deltas) == paired_bootstrap_ci(list(reversed(deltas)))
+    assert paired_bootstrap_ci(deltas) == paired_bootstrap_ci(sorted(deltas, key=lambda d: (d * 13) % 5))

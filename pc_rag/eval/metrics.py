@@ -181,8 +181,11 @@ def _f1_deltas(
 
 
 def paired_bootstrap_ci(deltas: Sequence[float], rounds: int = BOOTSTRAP_ROUNDS, seed: int = 0) -> list[float]:
-    """The 95% percentile interval of the mean of per-question differences, resampling questions (seeded)."""
-    values = torch.tensor(deltas, dtype=torch.float64)
+    """The 95% percentile interval of the mean of per-question differences, resampling questions (seeded).
+
+    The differences are sorted first, so the interval does not depend on the order the questions come in.
+    """
+    values = torch.tensor(sorted(deltas), dtype=torch.float64)
     picks = torch.randint(len(values), (rounds, len(values)), generator=torch.Generator().manual_seed(seed))
     means = values[picks].mean(dim=1).tolist()
     return [percentile(means, 0.025), percentile(means, 0.975)]
