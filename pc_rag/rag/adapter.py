@@ -1,0 +1,180 @@
+"""A splice adapter: low-rank corrections applied only to the tokens computed at query time.
+
+Chunks encoded separately never attended to each other. A splice adapter is a set
+of LoRA pairs ``(A, B)`` on chosen linear layers of every decoder layer (``q_proj``
+and ``o_proj`` by default) that adds ``scale * B(A(x))`` to their output, trained
+by self-distillation so that a question computed over spliced chunk KV behaves as
+after a full prefill. It is attached to a model with forward hooks (the model's
+weights and parameter names are untouched) and acts only inside ``applied()``:
+chunk encoding and full prefill never see it, so stored chunk KV stays valid.
+``applied()`` sets a context variable for the calling thread only; wrap each model
+call in it, never a generator's whole life (a context variable set across a
+``yield`` leaks into whatever the consumer runs next).
+
+Weights are saved as safetensors with the configuration and the model fingerprint
+in the metadata; loading under another fingerprint is refused. This module knows
+nothing about chunks, prompts or training data.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import json
+import math
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+from torch import nn
+from transformers import PreTrainedModel
+
+from pc_rag.errors import PCRagError
+
+_APPLIED: contextvars.ContextVar[bool] = contextvars.ContextVar("pc_rag_splice_adapter", default=False)
+FORMAT = "pc-rag-splice-adapter/1"
+
+
+class AdapterError(PCRagError):
+    """An adapter file that is unreadable, malformed or made for another model."""
+
+
+@dataclass(frozen=True)
+class AdapterConfig:
+    """LoRA ``rank`` and ``alpha`` (scale = alpha / rank) on the linear layers named ``targets`` of each layer."""
+
+    rank: int = 8
+    alpha: float = 16.0
+    targets: tuple[str, ...] = ("q_proj", "o_proj")
+
+    def __post_init__(self) -> None:
+        if self.rank < 1 or not self.targets:
+            msg = f"an adapter needs rank >= 1 and at least one target, got {self}"
+            raise AdapterError(msg)
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+
+class SpliceAdapter(nn.Module):
+    """LoRA pairs for ``model``'s decoder layers; ``attach`` hooks them in, ``applied()`` turns them on."""
+
+    def __init__(self, model: PreTrainedModel, config: AdapterConfig, fingerprint: str) -> None:
+        super().__init__()
+        self.config, self.fingerprint = config, fingerprint
+        self._targets = _target_modules(model, config.targets)
+        ref = next(model.parameters())
+        self.lora_a = nn.ParameterDict()
+        self.lora_b = nn.ParameterDict()
+        for name, linear in self._targets.items():
+            key = _key(name)
+            a = torch.empty(config.rank, linear.in_features, dtype=ref.dtype, device=ref.device)
+            nn.init.kaiming_uniform_(a, a=math.sqrt(5))  # as LoRA: A random, B zero, so the start is the identity
+            self.lora_a[key] = nn.Parameter(a)
+            b = torch.zeros(linear.out_features, config.rank, dtype=ref.dtype, device=ref.device)
+            self.lora_b[key] = nn.Parameter(b)
+        self._hooks: list[torch.utils.hooks.RemovableHandle] = []
+
+    def attach(self) -> SpliceAdapter:
+        """Hook the pairs into the model (idempotent); they act only inside ``applied()``."""
+        if not self._hooks:
+            for name, linear in self._targets.items():
+                self._hooks.append(linear.register_forward_hook(self._hook(_key(name))))
+        return self
+
+    def detach(self) -> None:
+        """Remove the hooks: the model is exactly as before ``attach``."""
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks.clear()
+
+    def _hook(self, key: str):
+        a, b, scale = self.lora_a[key], self.lora_b[key], self.config.scale
+
+        def add_low_rank(module: nn.Module, inputs: tuple[torch.Tensor, ...], output: torch.Tensor) -> torch.Tensor:
+            if not _APPLIED.get():
+                return output
+            x = inputs[0]  # [B, Q, in]
+            return output + (x @ a.to(x.dtype).T) @ (b.to(x.dtype).T * scale)
+
+        return add_low_rank
+
+    def save(self, path: str | Path) -> None:
+        """Write the pairs and their configuration as safetensors (float32)."""
+        tensors = {f"{k}.a": p.detach().float().cpu().contiguous() for k, p in self.lora_a.items()}
+        tensors |= {f"{k}.b": p.detach().float().cpu().contiguous() for k, p in self.lora_b.items()}
+        config = asdict(self.config) | {"targets": list(self.config.targets)}
+        meta = {"format": FORMAT, "config": json.dumps(config), "fingerprint": self.fingerprint}
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        save_file(tensors, str(path), metadata=meta)
+
+    @classmethod
+    def load(cls, path: str | Path, model: PreTrainedModel, fingerprint: str) -> SpliceAdapter:
+        """Read an adapter saved by ``save`` for a model with ``fingerprint``; ``AdapterError`` otherwise."""
+        path = Path(path)
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                meta = f.metadata() or {}
+                tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 - safe_open has no __iter__
+        except (OSError, SafetensorError) as e:
+            msg = f"cannot read splice adapter {path}: {e}"
+            raise AdapterError(msg) from e
+        if meta.get("format") != FORMAT:
+            msg = f"{path} is not a pc-rag splice adapter (format {meta.get('format')!r}, expected {FORMAT!r})"
+            raise AdapterError(msg)
+        if meta.get("fingerprint") != fingerprint:
+            msg = (
+                f"splice adapter {path} was trained for model {meta.get('fingerprint')}, not {fingerprint}; "
+                "train one for this model with `pc-rag tune`"
+            )
+            raise AdapterError(msg)
+        try:
+            raw = json.loads(meta["config"])
+            config = AdapterConfig(rank=int(raw["rank"]), alpha=float(raw["alpha"]), targets=tuple(raw["targets"]))
+        except (KeyError, TypeError, ValueError) as e:
+            msg = f"splice adapter {path} has a malformed configuration: {e}"
+            raise AdapterError(msg) from e
+        adapter = cls(model, config, fingerprint)
+        pairs = (("a", adapter.lora_a), ("b", adapter.lora_b))
+        expected = {f"{k}.{side}": p.shape for side, d in pairs for k, p in d.items()}
+        got = {k: t.shape for k, t in tensors.items()}
+        if got != expected:
+            msg = f"splice adapter {path} does not fit this model ({len(got)} tensors, {len(expected)} expected)"
+            raise AdapterError(msg)
+        with torch.no_grad():
+            for k, p in [*adapter.lora_a.items()]:
+                p.copy_(tensors[f"{k}.a"])
+            for k, p in [*adapter.lora_b.items()]:
+                p.copy_(tensors[f"{k}.b"])
+        return adapter.requires_grad_(False)
+
+    @contextmanager
+    def applied(self) -> Iterator[None]:
+        """Turn the pairs on for model calls made by this thread inside the block."""
+        token = _APPLIED.set(True)
+        try:
+            yield
+        finally:
+            _APPLIED.reset(token)
+
+
+def _target_modules(model: PreTrainedModel, targets: Sequence[str]) -> dict[str, nn.Linear]:
+    """``{qualified name: linear}`` of every decoder layer's modules whose last name is in ``targets``."""
+    found = {
+        name: module
+        for name, module in model.get_decoder().layers.named_modules()
+        if isinstance(module, nn.Linear) and name.rsplit(".", 1)[-1] in targets
+    }
+    missing = set(targets) - {name.rsplit(".", 1)[-1] for name in found}
+    if missing:
+        msg = f"the model's decoder layers have no linear layer named {sorted(missing)}"
+        raise AdapterError(msg)
+    return found
+
+
+def _key(name: str) -> str:
+    return name.replace(".", "_")  # ParameterDict keys cannot contain dots

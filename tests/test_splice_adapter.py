@@ -1,0 +1,91 @@
+"""The splice adapter acts only inside ``applied()``, equals merged LoRA weights there, and loads only for its model."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from pc_rag.rag.adapter import AdapterConfig, AdapterError, SpliceAdapter
+
+
+def logits(lm, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return lm.model(input_ids=torch.tensor([ids])).logits[0]
+
+
+@pytest.fixture
+def adapted(tiny_lm):
+    names = {n.rsplit(".", 1)[-1] for n, _ in tiny_lm.model.named_modules()}
+    query = "q_proj" if "q_proj" in names else "qkv_proj"  # Phi-3 fuses q, k and v
+    adapter = SpliceAdapter(tiny_lm.model, AdapterConfig(rank=4, targets=(query, "o_proj")), "fp").attach()
+    with torch.no_grad():
+        for p in adapter.lora_b.values():
+            p.normal_(0, 0.5)  # B starts at zero: make the adapter do something
+    yield tiny_lm, adapter
+    adapter.detach()
+
+
+IDS = [12, 400, 77, 5000, 31, 9, 1200]
+
+
+def test_inactive_outside_applied_and_gone_after_detach(tiny_lm, adapted) -> None:
+    lm, adapter = adapted
+    adapter.detach()
+    base = logits(lm, IDS)
+    adapter.attach()
+    assert torch.equal(logits(lm, IDS), base)
+    with adapter.applied():
+        assert not torch.allclose(logits(lm, IDS), base, atol=1e-3)
+    assert torch.equal(logits(lm, IDS), base)
+
+
+def test_applied_equals_merged_weights(adapted) -> None:
+    lm, adapter = adapted
+    with adapter.applied():
+        hooked = logits(lm, IDS)
+    adapter.detach()
+    layers = dict(lm.model.get_decoder().layers.named_modules())
+    saved = {}
+    with torch.no_grad():
+        for key, a in adapter.lora_a.items():
+            name = next(n for n in layers if n.replace(".", "_") == key)
+            saved[name] = layers[name].weight.clone()
+            layers[name].weight += adapter.config.scale * adapter.lora_b[key] @ a
+        merged = logits(lm, IDS)
+        for name, weight in saved.items():
+            layers[name].weight.copy_(weight)
+    assert torch.allclose(hooked, merged, atol=1e-4, rtol=1e-4)
+
+
+def test_applied_is_per_thread(adapted) -> None:
+    lm, adapter = adapted
+    base = logits(lm, IDS)
+    seen: list[torch.Tensor] = []
+    with adapter.applied():
+        worker = threading.Thread(target=lambda: seen.append(logits(lm, IDS)))
+        worker.start()
+        worker.join()
+    assert torch.equal(seen[0], base)
+
+
+def test_save_load_roundtrip_and_refusals(adapted, tmp_path) -> None:
+    lm, adapter = adapted
+    path = tmp_path / "adapter.safetensors"
+    adapter.save(path)
+    loaded = SpliceAdapter.load(path, lm.model, "fp")
+    assert loaded.config == adapter.config
+    for key, p in adapter.lora_b.items():
+        assert torch.equal(loaded.lora_b[key], p)
+    with pytest.raises(AdapterError, match="trained for model fp, not other"):
+        SpliceAdapter.load(path, lm.model, "other")
+    save_file({"x": torch.zeros(2)}, str(tmp_path / "plain.safetensors"))
+    with pytest.raises(AdapterError, match="not a pc-rag splice adapter"):
+        SpliceAdapter.load(tmp_path / "plain.safetensors", lm.model, "fp")
+    (tmp_path / "junk.safetensors").write_bytes(b"\x00" * 10)
+    with pytest.raises(AdapterError, match="cannot read"):
+        SpliceAdapter.load(tmp_path / "junk.safetensors", lm.model, "fp")
+    with pytest.raises(AdapterError, match="no linear layer named"):
+        SpliceAdapter(lm.model, AdapterConfig(targets=("nope",)), "fp")
