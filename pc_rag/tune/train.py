@@ -1,0 +1,208 @@
+"""Train a splice adapter by self-distillation against full prefill.
+
+The student is the serving path of ``prefix``: chunk KV encoded after the preamble,
+re-rotated to its slot and frozen; only the question and the teacher's answer tokens
+are computed, with the adapter applied, and only they carry gradients. The loss is
+KL(teacher || student) summed over the teacher's answer steps, with the teacher's
+top-k tokens and the remaining mass as one bucket. No labels are used. The best
+adapter on the validation pairs (mean KL over the steps) is kept, and training stops
+when it has not improved for ``patience`` evaluations. Training runs attention through
+transformers' differentiable SDPA (the serving kernel's log-sum-exp has no gradient);
+the two agree to fp32 tolerance. This module knows nothing about how pairs or teacher
+records are produced.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, field
+
+import torch
+from tqdm import tqdm
+from transformers.cache_utils import DynamicCache
+
+from pc_rag.assemble import splice
+from pc_rag.kv import allocate
+from pc_rag.rag.adapter import AdapterConfig, SpliceAdapter
+from pc_rag.rag.engine import Chunk, RagEngine
+from pc_rag.tune.pairs import Pair
+from pc_rag.tune.teacher import TeacherRecord
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Optimizer and schedule: AdamW at ``lr``, ``accumulate`` pairs per step, validation every ``eval_every`` pairs."""
+
+    epochs: int = 4
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    accumulate: int = 8
+    eval_every: int = 400
+    patience: int = 3
+    seed: int = 0
+
+
+@dataclass
+class Validation:
+    """Mean KL(teacher || student) over validation pairs: at the first step and over all teacher steps."""
+
+    pairs_seen: int
+    first_kl: float
+    mean_kl: float
+
+
+@dataclass
+class TrainReport:
+    """The validation history (the first entry is the adapter-free baseline) and the best entry kept."""
+
+    history: list[Validation] = field(default_factory=list)
+    best: Validation | None = None
+
+
+def topk_kl(teacher_logp: torch.Tensor, teacher_index: torch.Tensor, student_logp: torch.Tensor) -> torch.Tensor:
+    """KL(p || q) per step [S] from the teacher's top-k ``logp``/``index`` [S, K] and the student's log-probs [S, V].
+
+    Mass outside the teacher's top k is one bucket on both sides, so this is a (tight) lower bound of the full KL.
+    """
+    q_top = student_logp.gather(-1, teacher_index)
+    p = teacher_logp.exp()
+    rest_p = (1 - p.sum(-1)).clamp_min(1e-12)
+    rest_q = (1 - q_top.exp().sum(-1)).clamp_min(1e-12)
+    return (p * (teacher_logp - q_top)).sum(-1) + rest_p * (rest_p.log() - rest_q.log())
+
+
+def student_logprobs(
+    engine: RagEngine, adapter: SpliceAdapter | None, chunks: Sequence[Chunk], question: str, record: TeacherRecord
+) -> torch.Tensor:
+    """Log-probs [steps, V] of the spliced prompt teacher-forced with the teacher's answer, adapter applied."""
+    model = engine.lm.model
+    head = len(engine.head_ids)
+    parts, cursor = [(engine.head_kv, 0)], head
+    for chunk in chunks:
+        parts.append((chunk.kv, cursor - int(chunk.kv.positions[0])))
+        cursor += chunk.kv.length
+    buffer = allocate(model, cursor)
+    splice(buffer, engine.lm.rope, parts)
+    layers = range(buffer.keys.shape[0])
+    cache = DynamicCache(ddp_cache_data=[(buffer.keys[i], buffer.values[i]) for i in layers], config=model.config)
+    tail = engine.tokenize(engine.prompt.tail(engine.wrappers, question))
+    inputs = [*tail, *record.answer_ids[: record.steps - 1]]
+    device = engine.lm.device
+    with adapter.applied() if adapter is not None else nullcontext():
+        out = model(
+            input_ids=torch.tensor([inputs], device=device),
+            position_ids=torch.arange(cursor, cursor + len(inputs), device=device)[None],
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=record.steps,
+        )
+    return torch.log_softmax(out.logits[0].float(), dim=-1)
+
+
+@contextmanager
+def _differentiable_attention(engine: RagEngine) -> Iterator[None]:
+    model = engine.lm.model
+    serving = model.config._attn_implementation
+    model.set_attn_implementation("sdpa")
+    try:
+        yield
+    finally:
+        model.set_attn_implementation(serving)
+
+
+def validate(
+    engine: RagEngine,
+    adapter: SpliceAdapter | None,
+    pairs: Sequence[Pair],
+    chunks: Callable[[Pair], list[Chunk]],
+    teacher: Callable[[str], TeacherRecord],
+    pairs_seen: int = 0,
+) -> Validation:
+    """Mean first-step and all-step KL(teacher || student) over ``pairs``, without gradients."""
+    firsts, means = [], []
+    with torch.no_grad():
+        for pair in pairs:
+            record = teacher(pair.key)
+            logp = student_logprobs(engine, adapter, chunks(pair), pair.question, record)
+            kl = topk_kl(record.logp, record.index, logp)
+            firsts.append(float(kl[0]))
+            means.append(float(kl.mean()))
+    return Validation(pairs_seen, math.fsum(firsts) / len(firsts), math.fsum(means) / len(means))
+
+
+def train_adapter(
+    engine: RagEngine,
+    train_pairs: Sequence[Pair],
+    val_pairs: Sequence[Pair],
+    chunks: Callable[[Pair], list[Chunk]],
+    teacher: Callable[[str], TeacherRecord],
+    adapter_config: AdapterConfig,
+    config: TrainConfig,
+    *,
+    progress: bool = True,
+) -> tuple[SpliceAdapter, TrainReport]:
+    """Train an adapter on ``train_pairs``; return the best one on ``val_pairs`` (detached) and the history."""
+    torch.manual_seed(config.seed)
+    model = engine.lm.model
+    adapter = SpliceAdapter(model, adapter_config, engine.lm.fingerprint()).attach()
+    params = [*adapter.parameters()]
+    optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay)
+    frozen = [p for p in model.parameters() if p.requires_grad]
+    for p in frozen:
+        p.requires_grad_(False)
+    report = TrainReport()
+    best_state = {k: v.detach().clone() for k, v in adapter.state_dict().items()}
+    order = list(train_pairs)
+    rng = random.Random(config.seed)
+    seen, stale = 0, 0
+    try:
+        with _differentiable_attention(engine):
+            report.best = validate(engine, adapter, val_pairs, chunks, teacher)
+            report.history.append(report.best)
+            logger.info("baseline (no adapter): first KL %.4f, mean KL %.4f", report.best.first_kl, report.best.mean_kl)
+            bar = tqdm(total=config.epochs * len(order), desc="tune", unit="pair", disable=not progress)
+            for _ in range(config.epochs):
+                rng.shuffle(order)
+                for pair in order:
+                    record = teacher(pair.key)
+                    logp = student_logprobs(engine, adapter, chunks(pair), pair.question, record)
+                    # clones: records made under inference mode cannot be saved for backward
+                    loss = topk_kl(record.logp.clone(), record.index.clone(), logp).sum() / config.accumulate
+                    loss.backward()
+                    seen += 1
+                    bar.update()
+                    if seen % config.accumulate == 0:
+                        optimizer.step()
+                        optimizer.zero_grad(set_to_none=True)
+                    if seen % config.eval_every == 0:
+                        result = validate(engine, adapter, val_pairs, chunks, teacher, seen)
+                        report.history.append(result)
+                        bar.set_postfix(val_kl=f"{result.mean_kl:.4f}", first=f"{result.first_kl:.4f}")
+                        if result.mean_kl < report.best.mean_kl:
+                            report.best, stale = result, 0
+                            best_state = {k: v.detach().clone() for k, v in adapter.state_dict().items()}
+                        else:
+                            stale += 1
+                        if stale >= config.patience:
+                            break
+                if stale >= config.patience:
+                    break
+            bar.close()
+            if seen % config.eval_every:  # the pairs since the last validation count too
+                result = validate(engine, adapter, val_pairs, chunks, teacher, seen)
+                report.history.append(result)
+                if result.mean_kl < report.best.mean_kl:
+                    report.best = result
+                    best_state = {k: v.detach().clone() for k, v in adapter.state_dict().items()}
+    finally:
+        adapter.detach()
+        for p in frozen:
+            p.requires_grad_(True)
+    adapter.load_state_dict(best_state)
+    return adapter.requires_grad_(False), report
