@@ -18,7 +18,10 @@ from transformers.cache_utils import Cache
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """Decoding settings. ``temperature == 0`` is greedy; ``top_k == 0`` and ``top_p == 1`` disable those filters."""
+    """Decoding settings. ``temperature == 0`` is greedy; ``top_k == 0`` and ``top_p == 1`` disable those filters.
+
+    ``keep_logits``: the result keeps the logits of the first that many decoding steps (fidelity metrics).
+    """
 
     max_new_tokens: int = 64
     temperature: float = 0.0
@@ -26,11 +29,12 @@ class SamplingParams:
     top_k: int = 0
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    keep_logits: int = 0
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if self.temperature < 0 or not 0 < self.top_p <= 1 or self.top_k < 0:
+        if self.temperature < 0 or not 0 < self.top_p <= 1 or self.top_k < 0 or self.keep_logits < 0:
             raise ValueError(f"invalid sampling settings: {self}")
 
 
@@ -47,12 +51,18 @@ class GenerationStats:
 
 @dataclass
 class GenerationResult:
-    """Generated text (stop string excluded), its token ids, stats, and the first step's logits."""
+    """Generated text (stop string excluded), its token ids, stats, and the first step's logits.
+
+    ``step_logits`` [steps, V] (float32, CPU) is kept only when asked: row j holds the logits given the
+    prompt and the first j generated tokens (``SamplingParams.keep_logits``), or the first j tokens of a
+    reference the caller forced (``RagEngine.answer(reference_ids=...)``).
+    """
 
     text: str
     token_ids: list[int]
     stats: GenerationStats
     first_logits: torch.Tensor = field(repr=False)
+    step_logits: torch.Tensor | None = field(default=None, repr=False)
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
@@ -83,7 +93,20 @@ def eos_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> froze
     return frozenset(ids)
 
 
-@torch.inference_mode()
+class DecodedTokens(Iterator[int]):
+    """Token ids as they are decoded; ``step_logits`` collects the logits of the first ``keep_logits`` steps.
+
+    The logits are kept as they come (references, no copy): ``run_generation`` converts them after timing.
+    """
+
+    def __init__(self, tokens: Iterator[int], step_logits: list[torch.Tensor]) -> None:
+        self._tokens = tokens
+        self.step_logits = step_logits
+
+    def __next__(self) -> int:
+        return next(self._tokens)
+
+
 def decode_tokens(
     model: PreTrainedModel,
     cache: Cache,
@@ -91,12 +114,28 @@ def decode_tokens(
     next_position: int,
     params: SamplingParams,
     stop_ids: frozenset[int],
+) -> DecodedTokens:
+    """Generated token ids (EOS excluded) until EOS or ``max_new_tokens``."""
+    kept: list[torch.Tensor] = []
+    return DecodedTokens(_decode(model, cache, first_logits, next_position, params, stop_ids, kept), kept)
+
+
+@torch.inference_mode()
+def _decode(
+    model: PreTrainedModel,
+    cache: Cache,
+    first_logits: torch.Tensor,
+    next_position: int,
+    params: SamplingParams,
+    stop_ids: frozenset[int],
+    kept: list[torch.Tensor],
 ) -> Iterator[int]:
-    """Yield generated token ids (EOS excluded) until EOS or ``max_new_tokens``."""
     generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
     device = first_logits.device
     logits = first_logits
     for step in range(params.max_new_tokens):
+        if step < params.keep_logits:
+            kept.append(logits)  # logits [V] given the prompt and the tokens of steps < step
         token = sample(logits, params, generator)
         if token in stop_ids:
             return
@@ -181,7 +220,7 @@ class ReplyStream:
 
 
 def run_generation(
-    tokens: Iterator[int],
+    tokens: DecodedTokens,
     tokenizer: PreTrainedTokenizerBase,
     params: SamplingParams,
     watch: Stopwatch,
@@ -189,7 +228,10 @@ def run_generation(
     cached: int,
     computed: int,
 ) -> Iterator[str | GenerationResult]:
-    """Drive ``tokens`` to text deltas, timing the first token; end with the ``GenerationResult``."""
+    """Drive ``tokens`` to text deltas, timing the first token; end with the ``GenerationResult``.
+
+    Kept step logits are copied to float32 on the CPU after the clock stops.
+    """
     ids: list[int] = []
 
     def on_token(token: int) -> None:
@@ -202,7 +244,8 @@ def run_generation(
         yield piece
     total = watch.elapsed_ms()
     stats = GenerationStats(watch.first if watch.first is not None else total, total, cached, computed, len(ids))
-    yield GenerationResult("".join(pieces), ids, stats, logits.detach().float().cpu())
+    steps = torch.stack([s.detach().float().cpu() for s in tokens.step_logits]) if tokens.step_logits else None
+    yield GenerationResult("".join(pieces), ids, stats, logits.detach().float().cpu(), steps)
 
 
 def collect(stream: Iterator[str | GenerationResult]) -> GenerationResult:

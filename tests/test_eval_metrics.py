@@ -9,20 +9,26 @@ import pytest
 import torch
 
 from pc_rag.eval.metrics import (
+    TEACHER_FORCED_STEPS,
     QuestionRecord,
     aggregate,
     first_token_kl,
     make_record,
     paired_bootstrap_ci,
     percentile,
+    teacher_forced,
+    teacher_forced_steps,
 )
 from pc_rag.eval.report import format_table
 from pc_rag.generate import GenerationResult, GenerationStats
 
 
-def _result(text: str, ids: list[int], logits: list[float], ttft: float = 1.0) -> GenerationResult:
+def _result(
+    text: str, ids: list[int], logits: list[float], ttft: float = 1.0, steps: list[list[float]] | None = None
+) -> GenerationResult:
     stats = GenerationStats(ttft_ms=ttft, total_ms=2 * ttft, cached_tokens=0, computed_tokens=10, new_tokens=len(ids))
-    return GenerationResult(text, ids, stats, torch.tensor(logits))
+    step_logits = torch.tensor(steps) if steps is not None else None
+    return GenerationResult(text, ids, stats, torch.tensor(logits), step_logits)
 
 
 def test_kl_matches_hand_computation() -> None:
@@ -75,11 +81,42 @@ def test_record_compares_with_full() -> None:
     ).full_starts_with_the
 
 
+HALF, QUARTER = math.log(0.5), math.log(0.25)
+
+
+def test_teacher_forced_metrics_match_hand_computation() -> None:
+    # full answered [0, 1, 2] then EOS: four steps kept; the metrics cover the three answer tokens
+    p = [[HALF, QUARTER, QUARTER], [QUARTER, HALF, QUARTER], [QUARTER, QUARTER, HALF], [0.0, 5.0, 0.0]]
+    full = _result("abc", [0, 1, 2], p[0], steps=p)
+    q = [p[0], [QUARTER - 1, HALF - 1, QUARTER - 1], [HALF, QUARTER, QUARTER]]  # same, same (shifted), other argmax
+    mode = _result("abd", [0, 1, 0], q[0], steps=q)
+    kl, agreement = teacher_forced(full, mode)
+    # step 2: KL((.25,.25,.5) || (.5,.25,.25)) = .25 ln .5 + .5 ln 2 = .25 ln 2
+    assert kl == pytest.approx(0.25 * math.log(2) / 3, abs=1e-9) and agreement == pytest.approx(2 / 3)
+    assert teacher_forced(full, full) == (0.0, 1.0)
+    record = make_record(setting="closed", dataset="d", example_id="1", mode="m", answers=["abc"],
+                         context_tokens=1, result=mode, full=full)  # fmt: skip
+    assert (record.teacher_forced_kl, record.teacher_forced_agreement) == (kl, agreement)
+    no_steps = make_record(setting="closed", dataset="d", example_id="1", mode="m", answers=["abc"],
+                           context_tokens=1, result=_result("abd", [0], q[0]), full=full)  # fmt: skip
+    assert no_steps.teacher_forced_kl is None and no_steps.teacher_forced_agreement is None
+
+
+def test_teacher_forced_steps_follow_full_answer_length() -> None:
+    assert teacher_forced_steps(_result("", [], [0.0])) == 1  # EOS first: the first-token step only
+    assert teacher_forced_steps(_result("x", [1, 2, 3], [0.0])) == 3
+    assert teacher_forced_steps(_result("x", list(range(40)), [0.0])) == TEACHER_FORCED_STEPS == 8
+    eos = _result("", [], [0.0, 3.0], steps=[[0.0, 3.0]])  # argmax 1 is EOS
+    assert teacher_forced(eos, _result("", [], [0.0, 3.0], steps=[[1.0, 3.0]]))[1] == 1.0
+    assert teacher_forced(eos, _result("x", [0], [3.0, 0.0], steps=[[3.0, 0.0]]))[1] == 0.0
+
+
 def _rec(dataset: str, mode: str, i: int, f1: float, ttft: float, *, agree: bool, the: bool = False) -> QuestionRecord:
     return QuestionRecord(
         setting="closed", dataset=dataset, id=str(i), mode=mode, answer="x", f1=f1, ttft_ms=ttft,
         context_tokens=100 * (i + 1), first_token_id=1, agreement=agree, first_token_agreement=agree,
         first_token_kl=0.0 if agree else 0.2, identical=agree, full_starts_with_the=the,
+        teacher_forced_kl=0.0 if agree else 0.4, teacher_forced_agreement=1.0 if agree else 0.5,
     )  # fmt: skip
 
 
@@ -139,3 +176,16 @@ def test_paired_bootstrap_ci_does_not_depend_on_question_order() -> None:
     deltas = [float(i % 7) - 3.0 for i in range(50)]
     assert paired_bootstrap_ci(deltas) == paired_bootstrap_ci(list(reversed(deltas)))
     assert paired_bootstrap_ci(deltas) == paired_bootstrap_ci(sorted(deltas, key=lambda d: (d * 13) % 5))
+
+
+def test_teacher_forced_rows_average_the_records_that_have_them() -> None:
+    old = QuestionRecord(**{**vars(_rec("d", "m", 0, 1.0, 1, agree=True)), "teacher_forced_kl": None,
+                            "teacher_forced_agreement": None})  # fmt: skip
+    records = [old, _rec("d", "m", 1, 1.0, 1, agree=False), _rec("d", "m", 2, 1.0, 1, agree=True)]
+    row = aggregate(records)[0]
+    assert row.n == 3 and row.teacher_forced_kl == pytest.approx(0.2) and row.teacher_forced_agreement == 0.75
+    only_old = aggregate([old])[0]
+    assert only_old.teacher_forced_kl is None and only_old.teacher_forced_agreement is None
+    header, old_line, line = format_table([only_old, row]).splitlines()
+    assert header.split()[-8:-6] == ["tfKL", "tfAgr"]  # then "ttft p50", "ttft p90", "ctx tok"
+    assert old_line.split()[-5:-3] == ["-", "-"] and line.split()[-5:-3] == ["0.2000", "0.750"]

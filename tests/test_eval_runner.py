@@ -37,6 +37,7 @@ class FakeEngine:
     def __init__(self, fail_after: int | None = None) -> None:
         self.fail_after = fail_after
         self.calls: list[tuple[str, str, str]] = []  # (kind, question, mode)
+        self.references: list[list[int] | None] = []  # reference_ids of each answer() call
 
     def passage_text(self, i: int, title: str, text: str) -> str:
         return f"Passage {i}:\n{title}\n{text}\n\n"
@@ -45,11 +46,28 @@ class FakeEngine:
         self.calls.append(("encode", "", mode))
         return [FakeChunk(t, tuple(range(len(t.split())))) for t in texts]
 
-    def answer(self, chunks: list[FakeChunk], question: str, mode: str, max_new_tokens: int = 32) -> GenerationResult:
-        return self._generate(chunks, question, mode, max_new_tokens)
+    def answer(
+        self,
+        chunks: list[FakeChunk],
+        question: str,
+        mode: str,
+        *,
+        reference_ids: list[int] | None = None,
+        max_new_tokens: int = 32,
+    ) -> GenerationResult:
+        self.references.append(reference_ids)
+        result = self._generate(chunks, question, mode, max_new_tokens)
+        if reference_ids is not None:  # forced steps: the step logits of this mode's own answer
+            result.step_logits = _steps(result.first_logits, 1 + len(reference_ids))
+        return result
 
-    def answer_full(self, chunks: list[FakeChunk], question: str, max_new_tokens: int = 32) -> GenerationResult:
-        return self._generate(chunks, question, "full", max_new_tokens)
+    def answer_full(
+        self, chunks: list[FakeChunk], question: str, *, max_new_tokens: int = 32, keep_logits: int = 0
+    ) -> GenerationResult:
+        result = self._generate(chunks, question, "full", max_new_tokens)
+        run = len(result.token_ids) + (len(result.token_ids) < max_new_tokens)  # the EOS step runs too
+        result.step_logits = _steps(result.first_logits, min(keep_logits, run)) if keep_logits else None
+        return result
 
     def _generate(self, chunks: list[FakeChunk], question: str, mode: str, max_new_tokens: int) -> GenerationResult:
         if self.fail_after is not None and sum(c[0] != "encode" for c in self.calls) >= self.fail_after:
@@ -67,6 +85,11 @@ class FakeEngine:
         ttft = 100.0 + seed % 10 if mode == "full" else 10.0 + seed % 5
         stats = GenerationStats(ttft, ttft + 5, 0 if mode == "full" else context, 20, len(ids))
         return GenerationResult(text, ids, stats, logits)
+
+
+def _steps(first: torch.Tensor, n: int) -> torch.Tensor:
+    """Fake step logits [n, V]: step j is the first step's logits rolled by j."""
+    return torch.stack([first.roll(j) for j in range(n)])
 
 
 def make_examples(datasets: tuple[str, ...] = ("hotpotqa", "musique"), per: int = 3) -> list[Example]:
@@ -95,6 +118,11 @@ def test_full_first_and_records_compare_with_it() -> None:
     )  # "answer d i" vs "the answer d i maybe": p=3/4, r=1
     default = [r for r in records if r.mode == "default"]
     assert all(r.agreement and r.identical and r.first_token_kl == 0.0 and r.f1 == 1.0 for r in default)
+    # every mode is teacher-forced with full's answer but its last scored token (full answers [2, 3, 4])
+    assert engine.references == [[2, 3]] * (2 * len(examples))
+    full = [r for r in records if r.mode == "full"]
+    assert all((r.teacher_forced_kl, r.teacher_forced_agreement) == (0.0, 1.0) for r in full + default)
+    assert all(r.teacher_forced_kl > 0 and r.teacher_forced_agreement < 1 for r in naive)
     assert all(r.context_tokens == sum(3 + 2 * (j + 1) for j in range(3)) for r in records)  # fake: word count
 
 
@@ -121,6 +149,23 @@ def test_interrupted_run_resumes_without_repeating_work(tmp_path: Path) -> None:
     assert again.calls == []  # everything was done
 
 
+def test_state_of_an_older_version_loads_without_teacher_forced_metrics(tmp_path: Path) -> None:
+    examples = make_examples(per=1)
+    state = tmp_path / "old.jsonl"
+    run_eval(FakeEngine(), examples, MODES, state_path=state, progress=False)
+    older = [json.loads(line) for line in state.read_text().splitlines()]
+    for record in older:  # what runs before the teacher-forced metrics wrote
+        del record["teacher_forced_kl"], record["teacher_forced_agreement"]
+    state.write_text("".join(json.dumps(r) + "\n" for r in older))
+    records = run_eval(FakeEngine(), examples, MODES, state_path=state, progress=False)
+    assert all(r.teacher_forced_kl is None and r.teacher_forced_agreement is None for r in records)
+    rows = results_json(aggregate(records))["results"]
+    assert all(r["teacher_forced_kl"] is None and r["teacher_forced_agreement"] is None for r in rows)
+    state.write_text(json.dumps({k: v for k, v in older[0].items() if k != "first_token_kl"}) + "\n")
+    with pytest.raises(EvalError, match="not a question record"):  # a field without a default is still required
+        load_state(state)
+
+
 def test_corrupt_state_is_an_error(tmp_path: Path) -> None:
     state = tmp_path / "s.jsonl"
     state.write_text('{"not": "a record"}\n')
@@ -144,7 +189,8 @@ def test_report_json_table_and_plot(tmp_path: Path) -> None:
     data = json.loads(out.read_text())
     assert data == json.loads(json.dumps(results_json(rows, {"max_new_tokens": 32})))
     required = {"dataset", "mode", "setting", "n", "f1", "agreement", "first_token_agreement", "first_token_kl",
-                "ttft_ms_median", "ttft_ms_p90", "context_tokens_mean"}  # fmt: skip
+                "ttft_ms_median", "ttft_ms_p90", "context_tokens_mean", "identical", "teacher_forced_kl",
+                "teacher_forced_agreement"}  # fmt: skip
     assert all(required <= set(row) for row in data["results"])
     assert {(r["dataset"], r["mode"]) for r in data["results"]} == {
         (d, m) for d in ("hotpotqa", "musique", "all") for m in ("default", "naive")

@@ -65,7 +65,9 @@ def test_top_p_keeps_the_smallest_nucleus() -> None:
     assert drawn == {0, 1}
 
 
-@pytest.mark.parametrize("bad", [dict(max_new_tokens=0), dict(temperature=-1), dict(top_p=0), dict(top_k=-2)])
+@pytest.mark.parametrize(
+    "bad", [dict(max_new_tokens=0), dict(temperature=-1), dict(top_p=0), dict(top_k=-2), dict(keep_logits=-1)]
+)
 def test_invalid_sampling_settings_are_rejected(bad: dict) -> None:
     with pytest.raises(ValueError):
         SamplingParams(**bad)
@@ -114,3 +116,17 @@ def test_kv_dtype_and_device_options(tokenizer) -> None:
         exact.generate(prompt, max_new_tokens=1).first_logits,
     )
     assert (low - high).abs().max() / high.abs().max() < 2e-2
+
+
+def test_kept_step_logits_are_the_logits_of_each_decoding_step(pc: PromptCache) -> None:
+    result = pc.generate(PROMPT, max_new_tokens=6, keep_logits=4)
+    assert result.step_logits is not None and result.step_logits.shape == (4, result.first_logits.shape[-1])
+    assert result.step_logits.dtype == torch.float32 and result.step_logits.device.type == "cpu"
+    ids = pc.full_prompt_ids(PROMPT)
+    with torch.inference_mode():  # plain causal forward over prompt + generated tokens
+        logits = pc.lm.model(input_ids=torch.tensor([[*ids, *result.token_ids[:3]]])).logits[0]
+    torch.testing.assert_close(result.step_logits, logits[len(ids) - 1 :], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(result.step_logits[0], result.first_logits)
+    assert result.token_ids[:4] == result.step_logits.argmax(-1).tolist()  # greedy: step j's argmax is token j
+    assert pc.generate(PROMPT, max_new_tokens=6).step_logits is None  # kept only when asked
+    assert pc.generate(PROMPT, max_new_tokens=2, keep_logits=8).step_logits.shape[0] == 2  # no more steps than run

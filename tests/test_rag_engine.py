@@ -157,3 +157,36 @@ def test_prefix_caching_baseline_equals_full_prefill(engines: dict[str, RagEngin
     prefix = engine.answer_full(chunks, QUESTION, reuse_preamble=True, max_new_tokens=4)
     assert relative_error(prefix.first_logits, full.first_logits) < 1e-4 and prefix.text == full.text
     assert prefix.stats.cached_tokens == len(engine.head_ids) and full.stats.cached_tokens == 0
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_teacher_forced_logits_of_an_exact_cache_equal_full_prefill(engines: dict[str, RagEngine], arch: str) -> None:
+    engine = engines[arch]
+    chunks = engine.encode(TEXTS, "selective:1.0")  # every chunk token recomputed: the cache is full prefill's
+    full = engine.answer_full(chunks, QUESTION, max_new_tokens=6, keep_logits=6)
+    assert len(full.token_ids) == 6 and full.step_logits.shape[0] == 6
+    forced = engine.answer(chunks, QUESTION, "selective:1.0", max_new_tokens=6, reference_ids=full.token_ids[:5])
+    assert forced.step_logits.shape == full.step_logits.shape
+    assert relative_error(forced.step_logits, full.step_logits) < 1e-4
+    # forced with tokens it would not generate: the logits of a plain forward over prompt + those tokens
+    other = [engine.tokenize(" Vienna")[0], 17, 4242]
+    forced = engine.answer(chunks, QUESTION, "selective:1.0", max_new_tokens=2, reference_ids=other)
+    ids = engine.full_ids(chunks, QUESTION)
+    with torch.inference_mode():
+        plain = engine.lm.model(input_ids=torch.tensor([[*ids, *other]])).logits[0, len(ids) - 1 :]
+    assert forced.step_logits.shape == (4, plain.shape[-1]) and relative_error(forced.step_logits, plain) < 1e-4
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_teacher_forcing_leaves_the_answer_alone(engines: dict[str, RagEngine], arch: str) -> None:
+    engine = engines[arch]
+    chunks = engine.encode(TEXTS, "prefix")
+    alone = engine.answer(chunks, QUESTION, "prefix", max_new_tokens=5)
+    assert alone.step_logits is None  # off unless asked
+    reference = engine.answer_full(chunks, QUESTION, max_new_tokens=5).token_ids[:4]
+    forced = engine.answer(chunks, QUESTION, "prefix", max_new_tokens=5, reference_ids=reference)
+    assert forced.token_ids == alone.token_ids and forced.text == alone.text
+    torch.testing.assert_close(forced.first_logits, alone.first_logits)
+    assert forced.step_logits.shape[0] == 1 + len(reference)
+    torch.testing.assert_close(forced.step_logits[0], forced.first_logits)  # step 0: nothing forced yet
+    assert engine.answer(chunks, QUESTION, "prefix", max_new_tokens=1, reference_ids=[]).step_logits.shape[0] == 1

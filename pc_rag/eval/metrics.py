@@ -1,8 +1,11 @@
 """Per-question evaluation records, their comparison with full prefill, and aggregation into result rows.
 
 Every mode is compared with the full prefill of the same example: answer agreement, first-token
-agreement and KL(full || mode) of the first-token distributions. This module knows nothing about
-engines or files; the runner builds the records, the report prints and plots the rows.
+agreement and KL(full || mode) of the first-token distributions, and the same two teacher-forced
+over the first ``TEACHER_FORCED_STEPS`` tokens of full's greedy answer r: step j compares full's
+next-token distribution given prompt + r[:j] with the mode's given its own cached prompt + r[:j].
+This module knows nothing about engines or files; the runner builds the records, the report prints
+and plots the rows.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from pc_rag.generate import GenerationResult
 ALL = "all"  # the dataset name of the rows that pool every dataset
 FULL = "full"  # full prefill of the same tokens: the reference every mode is compared with
 BOOTSTRAP_ROUNDS = 2000
+TEACHER_FORCED_STEPS = 8  # answer tokens of full prefill the teacher-forced metrics average over
 _STARTS_WITH_THE = re.compile(r"\s*The\b")
 
 
@@ -42,6 +46,9 @@ class QuestionRecord:
     identical: bool  # the generated token ids equal full's
     full_starts_with_the: bool  # full's answer starts with the word "The"
     retrieval_recall: float | None = None  # open retrieval: share of supporting passages retrieved
+    # mean over teacher-forced steps (module docstring); None in records of runs made before they existed
+    teacher_forced_kl: float | None = None  # KL(full || mode) in nats
+    teacher_forced_agreement: float | None = None  # share of steps whose argmax is full's token
 
 
 @dataclass
@@ -64,6 +71,8 @@ class ResultRow:
     retrieval_recall: float | None = None  # open retrieval only: mean share of supporting passages retrieved
     f1_delta: float | None = None  # F1 minus full prefill's on the same questions (None for full itself)
     f1_delta_ci95: list[float] | None = None  # paired bootstrap 95% interval of f1_delta
+    teacher_forced_kl: float | None = None  # mean over the records that have it (None if none does)
+    teacher_forced_agreement: float | None = None
 
 
 def first_token_kl(full_logits: torch.Tensor, mode_logits: torch.Tensor) -> float:
@@ -74,6 +83,30 @@ def first_token_kl(full_logits: torch.Tensor, mode_logits: torch.Tensor) -> floa
     p = log_p.exp()
     terms = torch.where(p > 0, p * (log_p - log_q), torch.zeros_like(p))  # 0 * log 0 = 0
     return float(terms.sum())
+
+
+def teacher_forced_steps(full: GenerationResult) -> int:
+    """Steps the teacher-forced metrics cover: full's answer tokens up to ``TEACHER_FORCED_STEPS``, at least one.
+
+    A mode is forced with the tokens of all but the last step: ``full.token_ids[:steps - 1]``.
+    """
+    return max(1, min(TEACHER_FORCED_STEPS, len(full.token_ids)))
+
+
+def teacher_forced(full: GenerationResult, result: GenerationResult) -> tuple[float, float] | None:
+    """(mean KL(p_j || q_j) in nats, share of steps with argmax q_j == argmax p_j) over the forced steps.
+
+    p_j are full's ``step_logits`` (its own greedy steps, so argmax p_j is its token j, or EOS), q_j the
+    mode's forced with full's tokens. None when either result lacks them.
+    """
+    if full.step_logits is None or result.step_logits is None:
+        return None
+    steps = teacher_forced_steps(full)
+    p, q = full.step_logits[:steps], result.step_logits[:steps]
+    assert p.shape == q.shape and len(p) == steps, (p.shape, q.shape, steps)
+    kl = math.fsum(first_token_kl(p[j], q[j]) for j in range(steps)) / steps
+    agreement = float((p.argmax(-1) == q.argmax(-1)).double().mean())
+    return kl, agreement
 
 
 def make_record(
@@ -91,6 +124,7 @@ def make_record(
     """Score ``result`` against the gold ``answers`` and compare it with the ``full`` prefill's result."""
     first = result.token_ids[0] if result.token_ids else None
     full_first = full.token_ids[0] if full.token_ids else None
+    forced = teacher_forced(full, result)
     return QuestionRecord(
         setting=setting,
         dataset=dataset,
@@ -107,6 +141,8 @@ def make_record(
         identical=list(result.token_ids) == list(full.token_ids),
         full_starts_with_the=bool(_STARTS_WITH_THE.match(full.text)),
         retrieval_recall=retrieval_recall,
+        teacher_forced_kl=forced[0] if forced else None,
+        teacher_forced_agreement=forced[1] if forced else None,
     )
 
 
@@ -145,6 +181,8 @@ def _row(dataset: str, mode: str, group: list[QuestionRecord], full_f1: dict[tup
     deltas = _f1_deltas(mode, group, full_f1)
     non_the = [r.first_token_agreement for r in group if not r.full_starts_with_the]
     recalls = [r.retrieval_recall for r in group if r.retrieval_recall is not None]
+    forced_kl = [r.teacher_forced_kl for r in group if r.teacher_forced_kl is not None]
+    forced_agreement = [r.teacher_forced_agreement for r in group if r.teacher_forced_agreement is not None]
     ttfts = [r.ttft_ms for r in group]
     settings = {r.setting for r in group}
     assert len(settings) == 1, f"one row mixes settings {settings}"
@@ -165,6 +203,8 @@ def _row(dataset: str, mode: str, group: list[QuestionRecord], full_f1: dict[tup
         retrieval_recall=_mean(recalls) if recalls else None,
         f1_delta=_mean(deltas) if deltas else None,
         f1_delta_ci95=paired_bootstrap_ci(deltas) if deltas else None,
+        teacher_forced_kl=_mean(forced_kl) if forced_kl else None,
+        teacher_forced_agreement=_mean(forced_agreement) if forced_agreement else None,
     )
 
 

@@ -38,6 +38,8 @@ _COLUMNS = (  # header, width, cell
         lambda r: "-" if r.first_token_agreement_non_the is None else f"{r.first_token_agreement_non_the:.3f}",
     ),
     ("KL", 8, lambda r: f"{r.first_token_kl:.4f}"),
+    ("tfKL", 8, lambda r: "-" if r.teacher_forced_kl is None else f"{r.teacher_forced_kl:.4f}"),
+    ("tfAgr", 6, lambda r: "-" if r.teacher_forced_agreement is None else f"{r.teacher_forced_agreement:.3f}"),
     ("ttft p50", 9, lambda r: f"{r.ttft_ms_median:.1f}"),
     ("ttft p90", 9, lambda r: f"{r.ttft_ms_p90:.1f}"),
     ("ctx tok", 8, lambda r: f"{r.context_tokens_mean:.0f}"),
@@ -49,7 +51,8 @@ def format_table(rows: Sequence[ResultRow]) -> str:
 
     ``dF1`` is F1 minus full prefill's on the same questions, with its paired bootstrap 95% interval;
     ``tok1`` is first-token agreement with full prefill, ``tok1~The`` the same without questions whose
-    full answer starts with "The".
+    full answer starts with "The"; ``tfKL`` and ``tfAgr`` are KL(full || mode) and next-token agreement
+    teacher-forced with full's first answer tokens, averaged over those steps (``-`` for old records).
     """
     columns = list(_COLUMNS)
     if len({r.setting for r in rows}) > 1:

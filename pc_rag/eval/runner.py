@@ -1,10 +1,11 @@
 """Run every example through full prefill and each cached mode, resumably, and collect question records.
 
 Closed context (LongBench): an example's own passages, in order, are its chunks, encoded once per
-(example, mode) outside the timed path. Full prefill runs first per example; the other modes are
-compared with it. Finished questions are appended to a JSONL state file, so a rerun skips them.
-This module knows nothing about models or tokenizers: it drives any object with the engine's
-``encode / answer / answer_full / passage_text`` methods.
+(example, mode) outside the timed path. Full prefill runs first per example and keeps its first
+steps' logits; the other modes are compared with it, and teacher-forced with its first answer
+tokens after their own answer is timed. Finished questions are appended to a JSONL state file, so
+a rerun skips them. This module knows nothing about models or tokenizers: it drives any object
+with the engine's ``encode / answer / answer_full / passage_text`` methods.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import json
 import logging
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import asdict, fields
+from dataclasses import MISSING, asdict, fields
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -22,7 +23,7 @@ from tqdm import tqdm
 from pc_rag.errors import EvalError
 from pc_rag.eval.contexts import ClosedContexts, ContextSource
 from pc_rag.eval.datasets import Example
-from pc_rag.eval.metrics import FULL, QuestionRecord, make_record
+from pc_rag.eval.metrics import FULL, TEACHER_FORCED_STEPS, QuestionRecord, make_record, teacher_forced_steps
 from pc_rag.generate import GenerationResult
 
 logger = logging.getLogger(__name__)
@@ -37,9 +38,19 @@ class EvalEngine(Protocol):
 
     def encode(self, texts: list[str], mode: str) -> list[Any]: ...
 
-    def answer(self, chunks: list[Any], question: str, mode: str, max_new_tokens: int = 32) -> GenerationResult: ...
+    def answer(
+        self,
+        chunks: list[Any],
+        question: str,
+        mode: str,
+        *,
+        reference_ids: Sequence[int] | None = None,
+        max_new_tokens: int = 32,
+    ) -> GenerationResult: ...
 
-    def answer_full(self, chunks: list[Any], question: str, max_new_tokens: int = 32) -> GenerationResult: ...
+    def answer_full(
+        self, chunks: list[Any], question: str, *, max_new_tokens: int = 32, keep_logits: int = 0
+    ) -> GenerationResult: ...
 
     def passage_text(self, i: int, title: str, text: str) -> str: ...
 
@@ -122,16 +133,21 @@ def _run_example(
             retrieval_recall=recall,
         )
 
-    # Full's first-token logits stay in memory while this example's modes run; after a resume the
+    # Full's first steps' logits stay in memory while this example's modes run; after a resume the
     # full prefill is simply recomputed (greedy, deterministic) rather than stored in the state file.
     # Full prefill only reads the chunks' token ids, which no mode changes: reuse the first mode's encoding.
     full_chunks = chunks(next((m for *_, m in todo if m != FULL), FULL_CHUNKS_MODE))
-    full = engine.answer_full(full_chunks, example.question, max_new_tokens=max_new_tokens)
+    full = engine.answer_full(
+        full_chunks, example.question, max_new_tokens=max_new_tokens, keep_logits=TEACHER_FORCED_STEPS
+    )
+    reference = full.token_ids[: teacher_forced_steps(full) - 1]  # the last forced step needs no token fed
     for *_, mode in todo:
         if mode == FULL:
             yield record(FULL, full_chunks, full)
         else:
-            result = engine.answer(chunks(mode), example.question, mode, max_new_tokens=max_new_tokens)
+            result = engine.answer(
+                chunks(mode), example.question, mode, reference_ids=reference, max_new_tokens=max_new_tokens
+            )
             yield record(mode, chunks(mode), result)
 
 
@@ -139,6 +155,7 @@ def load_state(path: str | Path) -> dict[Key, QuestionRecord]:
     """Records of a state file keyed by (setting, dataset, id, mode); a missing file is empty.
 
     A last line cut short by a crash is dropped from the file; any other unreadable line is an ``EvalError``.
+    Fields with a default (added after older runs) may be missing: they take their default.
     """
     path = Path(path)
     if not path.is_file():
@@ -149,6 +166,7 @@ def load_state(path: str | Path) -> dict[Key, QuestionRecord]:
         text = text[: text.rfind("\n") + 1]
         path.write_text(text, encoding="utf-8")
     names = {f.name for f in fields(QuestionRecord)}
+    required = {f.name for f in fields(QuestionRecord) if f.default is MISSING}
     records: dict[Key, QuestionRecord] = {}
     for lineno, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
@@ -159,7 +177,7 @@ def load_state(path: str | Path) -> dict[Key, QuestionRecord]:
         except json.JSONDecodeError as e:
             msg = f"{path}:{lineno}: invalid JSON in the state file ({e.msg}); {fix}"
             raise EvalError(msg) from e
-        if not isinstance(obj, dict) or set(obj) != names:
+        if not isinstance(obj, dict) or not required <= set(obj) <= names:
             msg = f"{path}:{lineno}: not a question record of this pc-rag version; {fix}"
             raise EvalError(msg)
         record = QuestionRecord(**obj)

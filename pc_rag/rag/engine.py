@@ -14,6 +14,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 
 import torch
+from transformers import PreTrainedModel
 
 from pc_rag.assemble import forward_new_tokens, splice
 from pc_rag.baseline import serve_full
@@ -115,10 +116,22 @@ class RagEngine:
         return self._full_ids(self._request(chunks, question))
 
     def answer(
-        self, chunks: Sequence[Chunk], question: str, mode: str | RecoveryMode = "default", **kwargs: object
+        self,
+        chunks: Sequence[Chunk],
+        question: str,
+        mode: str | RecoveryMode = "default",
+        *,
+        reference_ids: Sequence[int] | None = None,
+        **kwargs: object,
     ) -> GenerationResult:
-        """Answer from cached chunks with ``mode``'s recovery; kwargs are ``SamplingParams`` fields."""
-        return collect(self._serve(self._request(chunks, question), resolve_mode(mode), **kwargs))
+        """Answer from cached chunks with ``mode``'s recovery; kwargs are ``SamplingParams`` fields.
+
+        With ``reference_ids`` the result's ``step_logits`` [1 + len(reference_ids), V] are teacher-forced:
+        row j holds this mode's logits given its own cached prompt and ``reference_ids[:j]`` (row 0 is
+        ``first_logits``). They are computed after the answer is timed, on its cache; the answer is unchanged.
+        """
+        request = self._request(chunks, question)
+        return collect(self._serve(request, resolve_mode(mode), reference_ids=reference_ids, **kwargs))
 
     def stream(
         self, chunks: Sequence[Chunk], question: str, mode: str | RecoveryMode = "default", **kwargs: object
@@ -182,7 +195,9 @@ class RagEngine:
         params = replace(SamplingParams(), **kwargs)  # type: ignore[arg-type]
         return serve_full(self.lm, self._buffers, ids, params, self._stop_ids, prefix)
 
-    def _serve(self, request: _Request, mode: RecoveryMode, **kwargs: object) -> Iterator[str | GenerationResult]:
+    def _serve(
+        self, request: _Request, mode: RecoveryMode, reference_ids: Sequence[int] | None = None, **kwargs: object
+    ) -> Iterator[str | GenerationResult]:
         params = replace(SamplingParams(), **kwargs)  # type: ignore[arg-type]
         watch = Stopwatch()
         chunks, tail = request.chunks, request.tail_ids
@@ -215,7 +230,10 @@ class RagEngine:
             tokens = decode_tokens(self.lm.model, cache, logits, total + len(tail), params, self._stop_ids)
             own_head = head if request.head_kv is None else 0
             counts = (total - len(chosen) - own_head, len(chosen) + len(tail) + own_head)  # (cached, computed)
-            yield from run_generation(tokens, self.lm.tokenizer, params, watch, logits, *counts)
+            stream = run_generation(tokens, self.lm.tokenizer, params, watch, logits, *counts)
+            if reference_ids is not None:
+                stream = _teacher_forced(stream, self.lm.model, buffer, total + len(tail), reference_ids)
+            yield from stream
         finally:
             self._buffers.release(buffer)
 
@@ -239,6 +257,41 @@ class RagEngine:
         if tokens + 1 > self.lm.max_positions:
             msg = f"prompt of {tokens} tokens exceeds the model's {self.lm.max_positions} positions"
             raise ContextLengthError(msg)
+
+
+def _teacher_forced(
+    stream: Iterator[str | GenerationResult],
+    model: PreTrainedModel,
+    buffer: KVBuffer,
+    prompt_length: int,
+    reference_ids: Sequence[int],
+) -> Iterator[str | GenerationResult]:
+    """``stream`` whose result carries ``step_logits`` forced with ``reference_ids`` (see ``RagEngine.answer``).
+
+    Runs once the result exists (the clock has stopped), before the buffer is released: the cache is
+    taken back to the prompt's ``prompt_length`` entries (cache index = position here) and one forward
+    runs ``reference_ids`` at the positions after the prompt, overwriting the generated tokens' KV.
+    """
+    for item in stream:
+        if isinstance(item, GenerationResult):
+            rows = [item.first_logits[None]]  # [1, V], float32 on the CPU
+            if reference_ids:
+                rows.append(_forward_all(model, buffer, prompt_length, reference_ids))
+            item = replace(item, step_logits=torch.cat(rows))
+        yield item
+
+
+@torch.inference_mode()
+def _forward_all(model: PreTrainedModel, buffer: KVBuffer, length: int, ids: Sequence[int]) -> torch.Tensor:
+    """Logits [len(ids), V] (float32, CPU) of ``ids`` run at positions ``length...`` after ``length`` cached tokens."""
+    device = buffer.keys.device
+    out = model(
+        input_ids=torch.tensor([list(ids)], device=device),
+        position_ids=torch.arange(length, length + len(ids), device=device)[None],
+        past_key_values=buffer.cache(length),
+        use_cache=True,
+    )
+    return out.logits[0].float().cpu()
 
 
 @dataclass(frozen=True)
