@@ -145,7 +145,11 @@ def _add_eval_parser(commands: argparse._SubParsersAction) -> None:
     ev = commands.add_parser("eval", help="F1, agreement with full prefill and TTFT per mode on multi-doc QA")
     ev.add_argument("--dataset", type=Path, action="append", required=True, help="JSONL file, ours or LongBench's")
     ev.add_argument("--modes", default="full,default", help="comma-separated: full and the engine's modes")
-    ev.add_argument("--limit", default=None, help="first N examples of each dataset file, or N1,N2,... per --dataset")
+    ev.add_argument("--limit", default=None, help="first N evaluated examples of each dataset file, or N1,N2,... "
+                    "per --dataset; counted after the tuning split is skipped")  # fmt: skip
+    ev.add_argument("--include-tuning-split", action="store_true", help="also evaluate the examples reserved for "
+                    "tuning adapters and calibration (pc_rag.eval.datasets.TUNING_SPLIT), skipped by default; "
+                    "reproduces runs made before the split existed")  # fmt: skip
     ev.add_argument("--json", type=Path, default=None, help="write the result rows as JSON here")
     ev.add_argument("--plot", type=Path, default=None, help="write an F1-vs-TTFT PNG here")
     ev.add_argument("--max-new-tokens", type=int, default=32)
@@ -167,9 +171,10 @@ def _run_eval(args: argparse.Namespace) -> int:
     if args.max_new_tokens < 1:
         msg = f"--max-new-tokens must be >= 1, got {args.max_new_tokens}"
         raise EvalError(msg)
-    examples = load_datasets(args.dataset, _limits(args.limit))
+    examples = load_datasets(args.dataset, _limits(args.limit), include_tuning_split=args.include_tuning_split)
     if not examples:
-        msg = f"no examples in {', '.join(map(str, args.dataset))}"
+        skipped = "" if args.include_tuning_split else " outside the tuning split (--include-tuning-split)"
+        msg = f"no examples{skipped} in {', '.join(map(str, args.dataset))}"
         raise EvalError(msg)
     from pc_rag.rag import MODES, RagEngine, RagPrompt
     from pc_rag.rag.modes import is_mode
@@ -204,6 +209,7 @@ def _run_eval(args: argparse.Namespace) -> int:
             "model": lm.name,
             "datasets": [str(p) for p in args.dataset],
             "limit": args.limit,
+            "include_tuning_split": args.include_tuning_split,
             "max_new_tokens": args.max_new_tokens,
             "modes": modes,
             "settings": settings,

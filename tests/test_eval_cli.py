@@ -80,3 +80,34 @@ def test_eval_writes_json_plot_and_state(
     state = tmp_path / "r.json.partial.jsonl"
     assert len(state.read_text().splitlines()) == 2 * 3
     assert "naive" in capsys.readouterr().out
+
+
+def test_eval_skips_the_tuning_split_unless_asked(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    rag = pytest.importorskip("pc_rag.rag")
+    from pc_rag.eval import contexts
+
+    monkeypatch.setattr("pc_rag.model.load_model", lambda *a, **k: type("LM", (), {"name": "fake"})())
+    monkeypatch.setattr(rag, "RagEngine", lambda lm, prompt: FakeEngine())
+    monkeypatch.setattr("pc_rag.eval.datasets.TUNING_SPLIT", {"qa": range(1, 3)})  # a small split for the test
+    pooled: list[list[str]] = []
+
+    class Open(contexts.ClosedContexts):  # records what open retrieval would pool
+        setting = "open"
+
+        def __init__(self, engine, examples, k, directory) -> None:
+            super().__init__(engine)
+            pooled.append([e.id for e in examples])
+
+    monkeypatch.setattr(contexts, "OpenContexts", Open)
+    lines = [json.dumps({**GOOD, "id": f"q{i}", "question": f"Q: answer {i}"}) for i in range(5)]
+    argv = ["eval", "--dataset", _data(tmp_path, *lines), "--modes", "naive", "--setting", "open"]
+    out = tmp_path / "r.json"
+    assert cli.main([*argv, "--limit", "2", "--json", str(out)]) == 0
+    assert {r["n"] for r in json.loads(out.read_text())["results"]} == {2}  # q0 and q3: the limit counts after
+    assert pooled == [["q0", "q3"]] and "skipped 2 examples of the tuning split" in caplog.text
+    assert json.loads(out.read_text())["config"]["include_tuning_split"] is False
+    caplog.clear()
+    assert cli.main([*argv, "--include-tuning-split", "--state", str(tmp_path / "s.jsonl")]) == 0
+    assert pooled[-1] == [f"q{i}" for i in range(5)] and "tuning split" not in caplog.text

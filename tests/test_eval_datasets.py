@@ -3,12 +3,22 @@
 from __future__ import annotations
 
 import json
+import logging
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from pc_rag.errors import EvalError
-from pc_rag.eval.datasets import Passage, load_datasets, load_examples, split_longbench_context
+from pc_rag.eval.datasets import (
+    TUNING_SPLIT,
+    Passage,
+    in_tuning_split,
+    load_datasets,
+    load_examples,
+    split_longbench_context,
+    tuning_split,
+)
 from pc_rag.eval.longbench import context_text
 
 OURS = {
@@ -89,3 +99,36 @@ def test_missing_file_and_bad_limit(tmp_path: Path) -> None:
         load_examples(tmp_path / "nope.jsonl")
     with pytest.raises(EvalError, match="--limit"):
         load_examples(_write(tmp_path / "ok.jsonl", OURS), limit=0)
+
+
+def test_examples_know_their_position_in_their_file(tmp_path: Path) -> None:
+    examples = load_examples(_write(tmp_path / "mixed.jsonl", OURS, "", LONGBENCH, {**OURS, "id": "q2"}))
+    assert [e.index for e in examples] == [0, 1, 2]  # blank lines are not examples
+
+
+def test_the_tuning_split_is_hotpotqa_300_to_699(tmp_path: Path) -> None:
+    assert dict(TUNING_SPLIT) == {"hotpotqa": range(300, 700)}
+    hotpot = load_examples(_write(tmp_path / "h.jsonl", *({**OURS, "id": f"h{i}"} for i in range(702))))
+    assert [e.id for e in tuning_split(hotpot)] == [f"h{i}" for i in range(300, 700)]
+    other = load_examples(_write(tmp_path / "o.jsonl", *({**OURS, "id": f"o{i}", "dataset": "musique"}
+                                                          for i in range(702))))  # fmt: skip
+    assert tuning_split(other) == []  # the split names a dataset, not positions in any file
+    assert in_tuning_split(hotpot[350]) and not in_tuning_split(replace(hotpot[350], index=None))  # no file
+
+
+def test_evaluation_skips_the_tuning_split_and_limits_what_remains(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    hotpot = _write(tmp_path / "h.jsonl", *({**OURS, "id": f"h{i}"} for i in range(702)))
+    other = _write(tmp_path / "o.jsonl", *({**OURS, "id": f"o{i}", "dataset": "musique"} for i in range(400)))
+    with caplog.at_level(logging.WARNING):
+        examples = load_datasets([hotpot, other], limit=[301, 350])
+    assert [e.id for e in examples] == [*(f"h{i}" for i in range(300)), "h700", *(f"o{i}" for i in range(350))]
+    assert "h.jsonl: skipped 400 examples of the tuning split (hotpotqa 300-699)" in caplog.text
+    assert len(caplog.records) == 1  # nothing skipped in the other file: nothing said
+    caplog.clear()
+    assert [e.id for e in load_datasets([hotpot], limit=5)] == [f"h{i}" for i in range(5)]  # before the split
+    assert not caplog.records
+    everything = load_datasets([hotpot], limit=301, include_tuning_split=True)
+    assert [e.id for e in everything] == [f"h{i}" for i in range(301)]
+    assert len(load_examples(hotpot)) == 702  # loading a file for tuning keeps every example

@@ -4,7 +4,16 @@ The package knows nothing about how the engine caches: it loads examples, asks t
 answers in each mode and full prefill, scores and compares them, and reports.
 """
 
-from pc_rag.eval.datasets import Example, Passage, load_datasets, load_examples, split_longbench_context
+from pc_rag.eval.datasets import (
+    TUNING_SPLIT,
+    Example,
+    Passage,
+    in_tuning_split,
+    load_datasets,
+    load_examples,
+    split_longbench_context,
+    tuning_split,
+)
 from pc_rag.eval.longbench import best_f1, normalize_answer, qa_f1_score
 from pc_rag.eval.metrics import FULL, QuestionRecord, ResultRow, aggregate, first_token_kl, paired_bootstrap_ci
 from pc_rag.eval.report import format_table, plot, results_json, write_json
@@ -12,6 +21,7 @@ from pc_rag.eval.runner import EvalEngine, load_state, parse_modes, run_eval
 
 __all__ = [
     "FULL",
+    "TUNING_SPLIT",
     "EvalEngine",
     "Example",
     "Passage",
@@ -21,6 +31,7 @@ __all__ = [
     "best_f1",
     "first_token_kl",
     "format_table",
+    "in_tuning_split",
     "load_datasets",
     "load_examples",
     "load_state",
@@ -32,5 +43,6 @@ __all__ = [
     "results_json",
     "run_eval",
     "split_longbench_context",
+    "tuning_split",
     "write_json",
 ]

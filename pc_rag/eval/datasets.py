@@ -2,21 +2,32 @@
 
 Our format: ``{"id", "dataset", "question", "answers", "passages": [{"title", "text", "is_supporting"}]}``.
 LongBench's: ``{"_id", "input", "context", "answers", "dataset"?}`` with ``context`` made of
-``Passage N:\\n{title}\\n{text}`` pieces. This module knows nothing about models, prompts or scoring.
+``Passage N:\\n{title}\\n{text}`` pieces. ``TUNING_SPLIT`` names the examples reserved for training
+adapters and fitting calibration constants, which evaluations skip by default. This module knows
+nothing about models, prompts or scoring.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import re
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 from pc_rag.errors import EvalError
 
+logger = logging.getLogger(__name__)
+
 _PASSAGE_HEADER = re.compile(r"^Passage \d+:[ \t]*$", re.MULTILINE)
+
+# Dataset name -> 0-based positions, in its file, of the examples reserved for tuning: HotpotQA 300-699 of
+# ../shared/data/multidoc_qa/hotpotqa.jsonl train adapters and fit calibration constants, so no evaluation
+# may score them.
+TUNING_SPLIT: Mapping[str, range] = MappingProxyType({"hotpotqa": range(300, 700)})
 
 
 @dataclass(frozen=True)
@@ -30,30 +41,56 @@ class Passage:
 
 @dataclass(frozen=True)
 class Example:
-    """One question with its gold answers and its own passages, in source order."""
+    """One question with its gold answers and its own passages, in source order.
+
+    ``index`` is its 0-based position among the examples of the file it was loaded from (None otherwise).
+    """
 
     dataset: str
     id: str
     question: str
     answers: tuple[str, ...]
     passages: tuple[Passage, ...]
+    index: int | None = None
 
 
-def load_datasets(paths: Iterable[str | Path], limit: int | Sequence[int] | None = None) -> list[Example]:
-    """Examples of every file in ``paths``, in order; ``limit`` keeps the first N of each file (or N_i of file i)."""
+def in_tuning_split(example: Example) -> bool:
+    """Whether ``example`` is reserved for tuning (``TUNING_SPLIT``): by its dataset and position in its file."""
+    return example.index is not None and example.index in TUNING_SPLIT.get(example.dataset, range(0))
+
+
+def tuning_split(examples: Iterable[Example]) -> list[Example]:
+    """The examples of ``examples`` (loaded from their file) that are reserved for tuning, in order."""
+    return [e for e in examples if in_tuning_split(e)]
+
+
+def load_datasets(
+    paths: Iterable[str | Path], limit: int | Sequence[int] | None = None, *, include_tuning_split: bool = False
+) -> list[Example]:
+    """The examples to evaluate of every file in ``paths``, in order.
+
+    The tuning split is skipped (and the count logged) unless ``include_tuning_split``; ``limit`` then
+    keeps the first N remaining examples of each file (or N_i of file i).
+    """
     paths = list(paths)
     limits = list(limit) if isinstance(limit, Sequence) else [limit] * len(paths)
     if len(limits) != len(paths):
         msg = f"{len(limits)} limits for {len(paths)} dataset files: give one limit, or one per --dataset"
         raise EvalError(msg)
-    return [example for path, n in zip(paths, limits, strict=True) for example in load_examples(path, n)]
+    return [
+        example
+        for path, n in zip(paths, limits, strict=True)
+        for example in load_examples(path, n, skip_tuning_split=not include_tuning_split)
+    ]
 
 
-def load_examples(path: str | Path, limit: int | None = None) -> list[Example]:
+def load_examples(path: str | Path, limit: int | None = None, *, skip_tuning_split: bool = False) -> list[Example]:
     """The examples of one JSONL file (blank lines skipped); the dataset name defaults to the file stem.
 
-    Raises ``EvalError`` naming the file and line for a missing file, invalid JSON, missing
-    fields, or an id that repeats within a dataset (results are keyed by dataset and id).
+    With ``skip_tuning_split`` the examples of ``TUNING_SPLIT`` are left out and counted in a log
+    warning; ``limit`` counts the examples returned. Raises ``EvalError`` naming the file and line for
+    a missing file, invalid JSON, missing fields, or an id that repeats within a dataset (results are
+    keyed by dataset and id).
     """
     path = Path(path)
     if not path.is_file():
@@ -64,6 +101,7 @@ def load_examples(path: str | Path, limit: int | None = None) -> list[Example]:
         raise EvalError(msg)
     examples: list[Example] = []
     seen: set[tuple[str, str]] = set()
+    skipped = 0
     with path.open(encoding="utf-8") as f:
         for lineno, line in enumerate(f, start=1):
             if limit is not None and len(examples) >= limit:
@@ -76,13 +114,20 @@ def load_examples(path: str | Path, limit: int | None = None) -> list[Example]:
             except json.JSONDecodeError as e:
                 msg = f"{where}: invalid JSON ({e.msg} at column {e.colno}); each line must be one JSON object"
                 raise EvalError(msg) from e
-            example = parse_example(obj, default_dataset=path.stem, where=where)
+            position = len(seen)  # 0-based among the file's examples (every one before was added to seen)
+            example = replace(parse_example(obj, default_dataset=path.stem, where=where), index=position)
             key = (example.dataset, example.id)
             if key in seen:
                 msg = f"{where}: id {example.id!r} repeats in dataset {example.dataset!r}; ids must be unique"
                 raise EvalError(msg)
             seen.add(key)
-            examples.append(example)
+            if skip_tuning_split and in_tuning_split(example):
+                skipped += 1
+            else:
+                examples.append(example)
+    if skipped:
+        split = ", ".join(f"{name} {r.start}-{r.stop - 1}" for name, r in TUNING_SPLIT.items())
+        logger.warning("%s: skipped %d examples of the tuning split (%s)", path, skipped, split)
     return examples
 
 
