@@ -129,6 +129,23 @@ def _limits(spec: str | None) -> int | list[int] | None:
     return limits[0] if len(limits) == 1 else limits
 
 
+def _orders(spec: str | None, settings: list[str]) -> list[str]:
+    """The chunk orders of open retrieval (none without it); ``EvalError`` for an unknown one or one without it."""
+    from pc_rag.errors import EvalError
+    from pc_rag.rag.order import DEFAULT_ORDER, ORDERS
+
+    if "open" not in settings:
+        if spec is not None:
+            msg = f"--order lays out retrieved chunks: it needs --setting open, got --setting {','.join(settings)}"
+            raise EvalError(msg)
+        return []
+    orders = list(dict.fromkeys(x.strip() for x in (spec or DEFAULT_ORDER).split(",") if x.strip()))
+    if not orders or set(orders) - set(ORDERS):
+        msg = f"--order takes {', '.join(ORDERS)} or several comma-separated; got {spec!r}"
+        raise EvalError(msg)
+    return orders
+
+
 def _lengths(spec: str) -> list[int]:
     try:
         lengths = [int(t) for t in spec.split(",") if t.strip()]
@@ -157,6 +174,9 @@ def _add_eval_parser(commands: argparse._SubParsersAction) -> None:
     ev.add_argument("-k", type=int, default=10, help="open retrieval: passages retrieved per question")
     ev.add_argument("--store-dir", type=Path, default=None, help="open retrieval: where pooled stores are "
                     "built and reused, one per pool and model (default: the pc-rag cache, eval-stores/)")  # fmt: skip
+    ev.add_argument("--order", default=None, help="open retrieval: how the retrieved chunks are laid out, "
+                    "best-first, best-last or lost-in-the-middle, or several comma-separated (each is its own "
+                    "setting, open:<order>; default: pc_rag.rag.order.DEFAULT_ORDER)")  # fmt: skip
     ev.add_argument("--state", type=Path, default=None, help="resume file (default: the --json path + .partial.jsonl)")
 
 
@@ -164,7 +184,7 @@ def _run_eval(args: argparse.Namespace) -> int:
     """Validate everything cheap (modes, datasets, output paths) before the model is loaded."""
     from pc_rag.errors import EvalError
     from pc_rag.eval import aggregate, format_table, load_datasets, parse_modes, plot, run_eval, write_json
-    from pc_rag.eval.contexts import ClosedContexts, OpenContexts
+    from pc_rag.eval.contexts import ClosedContexts, ContextSource, OpenContexts
     from pc_rag.eval.report import require_matplotlib
     from pc_rag.model import DEFAULT_MODEL, cache_dir, load_model
 
@@ -187,6 +207,7 @@ def _run_eval(args: argparse.Namespace) -> int:
     if args.k < 1:
         msg = f"-k must be >= 1, got {args.k}"
         raise EvalError(msg)
+    orders = _orders(args.order, settings)
     state = args.state or (args.json.with_name(args.json.name + ".partial.jsonl") if args.json else None)
     for out in (args.json, args.plot, state):
         if out is not None and not out.parent.is_dir():
@@ -199,8 +220,14 @@ def _run_eval(args: argparse.Namespace) -> int:
     engine = RagEngine(lm, RagPrompt.longbench())
     stores = args.store_dir or cache_dir() / "eval-stores"
     records = []
+    sources: list[ContextSource] = []
     for setting in settings:
-        contexts = ClosedContexts(engine) if setting == "closed" else OpenContexts(engine, examples, args.k, stores)
+        if setting == "closed":
+            sources.append(ClosedContexts(engine))
+        else:  # one pool of stores, laid out in each order
+            pooled = OpenContexts(engine, examples, args.k, stores)
+            sources += [pooled.in_order(order) for order in orders]
+    for contexts in sources:
         records += run_eval(engine, examples, modes, contexts, state_path=state, max_new_tokens=args.max_new_tokens)
     rows = aggregate(records, modes)
     print(format_table(rows))
@@ -214,6 +241,7 @@ def _run_eval(args: argparse.Namespace) -> int:
             "modes": modes,
             "settings": settings,
             "k": args.k if "open" in settings else None,
+            "orders": orders,
         }
         write_json(rows, args.json, config)
     if args.plot:

@@ -51,6 +51,8 @@ def test_bad_json_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> No
         (["--limit", "2,3"], "2 limits for 1 dataset files"),
         (["--setting", "closed,web"], "--setting takes closed, open"),
         (["-k", "0"], "-k must be >= 1"),
+        (["--order", "best-last"], "--order lays out retrieved chunks: it needs --setting open"),
+        (["--setting", "open", "--order", "best-last,worst"], "--order takes best-first, best-last, lost-in-the"),
         (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
         (["--modes", "full,turbo"], "unknown mode(s) 'turbo'; known modes: full, "),
         (["--json", "/nonexistent-dir/out.json"], "output directory does not exist"),
@@ -100,6 +102,9 @@ def test_eval_skips_the_tuning_split_unless_asked(
             super().__init__(engine)
             pooled.append([e.id for e in examples])
 
+        def in_order(self, order: str) -> Open:
+            return self
+
     monkeypatch.setattr(contexts, "OpenContexts", Open)
     lines = [json.dumps({**GOOD, "id": f"q{i}", "question": f"Q: answer {i}"}) for i in range(5)]
     argv = ["eval", "--dataset", _data(tmp_path, *lines), "--modes", "naive", "--setting", "open"]
@@ -111,3 +116,40 @@ def test_eval_skips_the_tuning_split_unless_asked(
     caplog.clear()
     assert cli.main([*argv, "--include-tuning-split", "--state", str(tmp_path / "s.jsonl")]) == 0
     assert pooled[-1] == [f"q{i}" for i in range(5)] and "tuning split" not in caplog.text
+
+
+def test_eval_lays_out_retrieved_chunks_in_each_order(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tokenizer
+) -> None:
+    """A tiny real engine: each order is its own setting, answered from its layout of the same retrieved chunks."""
+    from conftest import tiny_model
+    from test_eval_open import EXAMPLES, FACTS, embedder
+
+    from pc_rag.eval import contexts
+    from pc_rag.rag import RagEngine
+
+    monkeypatch.setattr("pc_rag.model.load_model", lambda *a, **k: tiny_model("llama", tokenizer))
+    real_open = contexts.OpenContexts
+    monkeypatch.setattr(contexts, "OpenContexts", lambda *a, **k: real_open(*a, **k, embedder=embedder()))
+    layouts: list[list[str]] = []
+    real_full = RagEngine.answer_full
+
+    def answer_full(self, chunks, question, **kwargs):
+        layouts.append([c.text.split("\n")[0] for c in chunks])
+        return real_full(self, chunks, question, **kwargs)
+
+    monkeypatch.setattr(RagEngine, "answer_full", answer_full)
+    passages = [{"title": t, "text": x} for t, x in FACTS.items()]
+    lines = [json.dumps({"id": e.id, "question": e.question, "answers": list(e.answers), "passages": passages})
+             for e in EXAMPLES]  # fmt: skip
+    out, stores = tmp_path / "r.json", tmp_path / "stores"
+    argv = ["eval", "--dataset", _data(tmp_path, *lines), "--setting", "open", "-k", "3", "--modes", "prefix"]
+    assert cli.main([*argv, "--order", "best-first,best-last", "--store-dir", str(stores), "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["config"]["orders"] == ["best-first", "best-last"]
+    assert {(r["setting"], r["dataset"]) for r in result["results"]} == {
+        (s, d) for s in ("open", "open:best-last") for d in ("qa", "all")
+    }
+    ranked, reversed_ = layouts[: len(EXAMPLES)], layouts[len(EXAMPLES) :]
+    assert ranked[0][0] == "Danube" and reversed_ == [layout[::-1] for layout in ranked]
+    assert len(list(stores.iterdir())) == 1  # the orders share the pooled store

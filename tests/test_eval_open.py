@@ -88,3 +88,15 @@ def test_an_interrupted_store_build_resumes(tmp_path, engine: RagEngine, monkeyp
     store = OpenContexts(engine, EXAMPLES, k=1, directory=tmp_path, embedder=embedder())._store("toy", conditioned=True)
     assert [len(part) for part in added] == [3, 1]  # the saved first part was kept, only the rest was encoded
     assert set(store.documents) == {passage_id(p) for p in EXAMPLES[0].passages} and len(store) == len(FACTS)
+
+
+def test_each_order_is_its_own_setting_over_the_same_stores(tmp_path, engine: RagEngine) -> None:
+    contexts = OpenContexts(engine, EXAMPLES, k=3, directory=tmp_path, embedder=embedder())
+    ranked = [c.text for c in contexts.chunks(EXAMPLES[0], "prefix")]
+    assert contexts.setting == "open" and ranked[0].startswith("Danube\n")
+    for order, layout in [("best-last", [2, 1, 0]), ("lost-in-the-middle", [0, 2, 1])]:
+        reordered = contexts.in_order(order)
+        assert reordered.setting == f"open:{order}" and contexts.setting == "open"
+        assert [c.text for c in reordered.chunks(EXAMPLES[0], "prefix")] == [ranked[i] for i in layout]
+        assert reordered.recall(EXAMPLES[0]) == contexts.recall(EXAMPLES[0]) == 1.0
+    assert len(list(tmp_path.iterdir())) == 1  # one store, whatever the order

@@ -3,18 +3,21 @@
 Closed context is LongBench's: an example's own passages, in order and numbered, are its
 chunks. Open retrieval pools every passage of the evaluated examples of a dataset into one
 ``DocumentStore`` (one chunk per passage, deduplicated by content), retrieves the top ``k`` per
-question, and reports which share of the example's supporting passages was retrieved. Encoding
-happens here, outside the timed answer. This module knows nothing about scoring or reports.
+question, lays them out in a chunk order (``pc_rag.rag.order``) and reports which share of the
+example's supporting passages was retrieved. Encoding happens here, outside the timed answer.
+This module knows nothing about scoring or reports.
 """
 
 from __future__ import annotations
 
+import copy
 import hashlib
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
 from pc_rag.eval.datasets import Example, Passage
+from pc_rag.rag.order import BEST_FIRST, check_order, reorder
 
 SETTINGS = ("closed", "open")
 
@@ -62,16 +65,26 @@ class OpenContexts:
     preamble), so a store is reused only for the same pool; a build adds passages in parts, each
     saved, so an interrupted build resumes. Each passage is one chunk: the store's chunk size is set
     above the longest passage.
+
+    The retrieved chunks are laid out in ``order``. The setting label is ``open`` for the ranking
+    itself (best first) and ``open:<order>`` otherwise, so orders are told apart in one report and
+    state file; the stores do not depend on the order, so every order reuses them.
     """
 
     build_part = 512  # passages per saved step of a store build
 
-    setting = "open"
-
     def __init__(
-        self, engine: Any, examples: Sequence[Example], k: int, directory: str | Path, embedder: object = None
+        self,
+        engine: Any,
+        examples: Sequence[Example],
+        k: int,
+        directory: str | Path,
+        embedder: object = None,
+        order: str = BEST_FIRST,
     ) -> None:
         self.engine, self.k, self.directory, self.embedder = engine, k, Path(directory), embedder
+        self.order = check_order(order)
+        self.setting = open_setting(order)
         self._pools: dict[str, list[Passage]] = {}
         for example in examples:
             pool = self._pools.setdefault(example.dataset, [])
@@ -83,7 +96,13 @@ class OpenContexts:
         from pc_rag.rag.modes import resolve_mode
 
         store = self._store(example.dataset, resolve_mode(mode).conditioned)
-        return store.chunks(self._handles(example, store))
+        return store.chunks(reorder(self._handles(example, store), self.order))
+
+    def in_order(self, order: str) -> OpenContexts:
+        """These contexts laid out in ``order``, sharing their stores and retrievals."""
+        reordered = copy.copy(self)
+        reordered.order, reordered.setting = check_order(order), open_setting(order)
+        return reordered
 
     def recall(self, example: Example) -> float | None:
         supporting = {passage_id(p) for p in example.passages if p.is_supporting}
@@ -95,7 +114,7 @@ class OpenContexts:
         return len(supporting & retrieved) / len(supporting)
 
     def _handles(self, example: Example, store: Any) -> list[Any]:
-        key = (example.dataset, example.id)  # retrieval does not depend on the encoding: search once
+        key = (example.dataset, example.id)  # retrieval does not depend on the encoding: search once, best first
         if key not in self._retrieved:
             self._retrieved[key] = store.search(example.question, self.k)
         return self._retrieved[key]
@@ -131,6 +150,11 @@ class OpenContexts:
         digest = hashlib.sha256(f"{self.engine.lm.fingerprint()}\x00{self.engine.prompt.digest()}".encode())
         digest.update("\n".join(sorted(unique)).encode())
         return digest.hexdigest()[:12]
+
+
+def open_setting(order: str) -> str:
+    """The setting label of open retrieval with chunks laid out in ``order``."""
+    return "open" if order == BEST_FIRST else f"open:{order}"
 
 
 def passage_text(passage: Passage) -> str:
