@@ -30,6 +30,7 @@ except ImportError as e:  # pragma: no cover - depends on the environment
 
 from pc_rag.errors import PCRagError
 from pc_rag.integrations.llama_index_llm import PromptCacheLLM
+from pc_rag.rag.order import DEFAULT_ORDER
 from pc_rag.retrievers.llama_index import PromptModuleRetriever, node_handle
 from pc_rag.store.document_store import DocumentStore
 
@@ -86,13 +87,14 @@ class PromptCacheQueryEngine(CustomQueryEngine):
         similarity_top_k: int = 5,
         *,
         mode: str | None = None,
+        order: str = DEFAULT_ORDER,
         streaming: bool = False,
         qa_template: BasePromptTemplate | None = None,
         **settings: Any,
     ) -> PromptCacheQueryEngine:
-        """Retriever and LLM over ``store`` (recovery ``mode``; ``settings`` are ``PromptCacheLLM`` fields)."""
+        """Retriever and LLM over ``store``: recovery ``mode``, chunk ``order``, ``PromptCacheLLM`` ``settings``."""
         return cls(
-            retriever=PromptModuleRetriever(store, similarity_top_k),
+            retriever=PromptModuleRetriever(store, similarity_top_k, order=order),
             llm=PromptCacheLLM.from_store(store, mode, **settings),
             qa_template=qa_template or module_qa_template(store),
             streaming=streaming,

@@ -18,13 +18,14 @@ try:
     from langchain_core.documents import Document
     from langchain_core.prompts import PromptTemplate
     from langchain_core.retrievers import BaseRetriever
-    from pydantic import ConfigDict, Field
+    from pydantic import ConfigDict, Field, field_validator
 except ImportError as e:  # pragma: no cover - depends on the environment
     msg = "the LangChain retriever needs langchain-core: `pip install pc-rag[langchain]`"
     raise ImportError(msg) from e
 
 from pc_rag.errors import PCRagError
 from pc_rag.rag.markers import module_ref
+from pc_rag.rag.order import DEFAULT_ORDER, check_order
 from pc_rag.store.document_store import DocumentStore, ModuleHandle
 
 __all__ = ["PromptModuleRetriever", "format_modules", "handle_document", "module_prompt_template"]
@@ -33,7 +34,8 @@ __all__ = ["PromptModuleRetriever", "format_modules", "handle_document", "module
 class PromptModuleRetriever(BaseRetriever):
     """The ``k`` chunks of ``store`` most similar to the query, as documents carrying their module handles.
 
-    ``invoke(query, k=n)`` overrides ``k`` for one call. The handle keys
+    The documents are laid out in ``order`` (``pc_rag.rag.order``), the order ``format_modules``
+    references them in. ``invoke(query, k=n)`` overrides ``k`` for one call. The handle keys
     take precedence over chunk metadata of the same name. ``Document.id`` is the
     chunk's document id, so two chunks of one document share it.
     """
@@ -42,11 +44,17 @@ class PromptModuleRetriever(BaseRetriever):
 
     store: DocumentStore = Field(exclude=True)
     k: int = Field(default=4, ge=1, description="how many chunks to retrieve")
+    order: str = Field(default=DEFAULT_ORDER, description="chunk layout: best-first, best-last or lost-in-the-middle")
+
+    @field_validator("order")
+    @classmethod
+    def _known_order(cls, order: str) -> str:
+        return check_order(order)
 
     def _get_relevant_documents(
         self, query: str, *, run_manager: CallbackManagerForRetrieverRun, k: int | None = None
     ) -> list[Document]:
-        handles = self.store.search(query, self.k if k is None else k)
+        handles = self.store.search(query, self.k if k is None else k, self.order)
         return [handle_document(self.store, h) for h in handles]
 
 

@@ -26,6 +26,7 @@ except ImportError as e:  # pragma: no cover - depends on the environment
     raise ImportError(msg) from e
 
 from pc_rag.errors import PCRagError
+from pc_rag.rag.order import DEFAULT_ORDER, check_order
 from pc_rag.store.document_store import DocumentStore, ModuleHandle
 
 __all__ = ["HANDLE_KEYS", "PromptModuleRetriever", "handle_node", "node_handle"]
@@ -36,7 +37,8 @@ HANDLE_KEYS = ("store_id", "chunk_id", "doc_id", "n_tokens")  # metadata keys a 
 class PromptModuleRetriever(BaseRetriever):
     """The ``similarity_top_k`` chunks of ``store`` most similar to the query, as nodes carrying their handles.
 
-    Handle keys take precedence over chunk metadata of the same name. A node's id is
+    The nodes are laid out in ``order`` (``pc_rag.rag.order``), the order a query engine references
+    them in. Handle keys take precedence over chunk metadata of the same name. A node's id is
     ``"<store_id>-<chunk_id>"``; its source relationship is the chunk's document id.
     """
 
@@ -45,6 +47,7 @@ class PromptModuleRetriever(BaseRetriever):
         store: DocumentStore,
         similarity_top_k: int = 5,
         *,
+        order: str = DEFAULT_ORDER,
         callback_manager: CallbackManager | None = None,
         verbose: bool = False,
     ) -> None:
@@ -54,9 +57,10 @@ class PromptModuleRetriever(BaseRetriever):
         super().__init__(callback_manager=callback_manager, verbose=verbose)
         self.store = store
         self.similarity_top_k = similarity_top_k
+        self.order = check_order(order)
 
     def _retrieve(self, query_bundle: QueryBundle) -> list[NodeWithScore]:
-        handles = self.store.search(query_bundle.query_str, self.similarity_top_k)
+        handles = self.store.search(query_bundle.query_str, self.similarity_top_k, self.order)
         return [handle_node(self.store, h) for h in handles]
 
 

@@ -25,6 +25,7 @@ from pc_rag.generate import GenerationResult, ReplyStream
 from pc_rag.rag.engine import Chunk, RagEngine
 from pc_rag.rag.markers import module_ref, split_module_prompt
 from pc_rag.rag.modes import resolve_mode
+from pc_rag.rag.order import BEST_FIRST, DEFAULT_ORDER, reorder
 from pc_rag.store.chunking import split_text
 from pc_rag.store.embeddings import Embedder, SentenceTransformerEmbedder, as_embedder
 from pc_rag.store.index import VectorIndex
@@ -247,14 +248,17 @@ class DocumentStore:
         """Replace a document's text and metadata."""
         self.add_documents([(text, metadata or {})], [doc_id], progress=False)
 
-    def search(self, query: str, k: int = 5) -> list[ModuleHandle]:
-        """The ``k`` chunks most similar to ``query`` as module handles, best first (fewer if the store is smaller)."""
+    def search(self, query: str, k: int = 5, order: str = BEST_FIRST) -> list[ModuleHandle]:
+        """The ``k`` chunks most similar to ``query`` as module handles (fewer if the store is smaller).
+
+        Best first, or laid out in another chunk ``order`` (``pc_rag.rag.order``) for a prompt.
+        """
         if k < 1:
             msg = f"k must be at least 1, got {k}"
             raise StoreError(msg)
         hits = self.index.search(self.embedder.embed_query(query), k) if len(self.index) else []
         # a hit missing from the manifest was indexed by an interrupted write that never reached it
-        return [self.handle(cid, score) for cid, score in hits if cid in self.manifest.chunks]
+        return reorder([self.handle(cid, score) for cid, score in hits if cid in self.manifest.chunks], order)
 
     def chunks(self, handles: Sequence[ModuleHandle]) -> list[Chunk]:
         """The engine chunks (token ids and KV) behind ``handles``, in the given order."""
@@ -266,15 +270,20 @@ class DocumentStore:
             out.append(Chunk(text, tuple(self.engine.tokenize(text)), kv, conditioned))
         return out
 
-    def answer(self, question: str, k: int = 5, mode: str | None = None, **kwargs: object) -> Answer:
-        """Retrieve ``k`` chunks and answer from their cached KV (``mode`` defaults to the store's)."""
-        handles = self.search(question, k)
+    def answer(
+        self, question: str, k: int = 5, mode: str | None = None, *, order: str = DEFAULT_ORDER, **kwargs: object
+    ) -> Answer:
+        """Retrieve ``k`` chunks and answer from their cached KV, laid out in ``order`` (sources too).
+
+        ``mode`` defaults to the store's.
+        """
+        handles = self.search(question, k, order)
         result = self.engine.answer(self.chunks(handles), question, mode or self.mode, **kwargs)
         return Answer(result.text, tuple(handles), result)
 
-    def answer_full(self, question: str, k: int = 5, **kwargs: object) -> Answer:
-        """The same retrieval, answered by full prefill (the baseline)."""
-        handles = self.search(question, k)
+    def answer_full(self, question: str, k: int = 5, *, order: str = DEFAULT_ORDER, **kwargs: object) -> Answer:
+        """The same retrieval and layout, answered by full prefill (the baseline)."""
+        handles = self.search(question, k, order)
         result = self.engine.answer_full(self.chunks(handles), question, **kwargs)
         return Answer(result.text, tuple(handles), result)
 

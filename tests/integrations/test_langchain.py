@@ -23,6 +23,7 @@ from pc_rag.integrations.langchain import (
 )
 from pc_rag.rag import RagEngine, RagPrompt
 from pc_rag.rag.markers import split_module_prompt
+from pc_rag.rag.order import DEFAULT_ORDER, ORDERS
 from pc_rag.store import as_embedder
 from pc_rag.store.document_store import DocumentStore
 
@@ -45,8 +46,8 @@ def store(tmp_path_factory, engine: RagEngine) -> DocumentStore:
     return store
 
 
-def rag_chain(store: DocumentStore, llm: PromptCacheLLM, k: int = 2):
-    retriever = PromptModuleRetriever(store=store, k=k)
+def rag_chain(store: DocumentStore, llm: PromptCacheLLM, k: int = 2, order: str = DEFAULT_ORDER):
+    retriever = PromptModuleRetriever(store=store, k=k, order=order)
     context = {"context": retriever | format_modules, "question": RunnablePassthrough()}
     return context | module_prompt_template(store) | llm
 
@@ -91,6 +92,17 @@ def test_retriever_documents_carry_handles(store: DocumentStore) -> None:
     assert docs[0].metadata["score"] >= docs[1].metadata["score"]
     refs = split_module_prompt(format_modules(docs)).refs
     assert refs == tuple((store.store_id, h.chunk_id) for h in handles)
+
+
+@pytest.mark.parametrize("order", ORDERS)
+def test_retriever_order_is_the_layout_the_chain_answers_from(store: DocumentStore, order: str) -> None:
+    docs = PromptModuleRetriever(store=store, k=3, order=order).invoke(QUESTION)
+    assert [d.metadata["chunk_id"] for d in docs] == [h.chunk_id for h in store.search(QUESTION, 3, order)]
+    llm = PromptCacheLLM.from_store(store, mode="prefix", max_tokens=4)
+    direct = store.answer(QUESTION, k=3, mode="prefix", order=order, max_new_tokens=4)
+    assert rag_chain(store, llm, k=3, order=order).invoke(QUESTION) == direct.text
+    with pytest.raises(PCRagError, match="unknown chunk order 'random'"):
+        PromptModuleRetriever(store=store, order="random")
 
 
 def test_format_modules_refuses_documents_without_a_handle() -> None:
@@ -208,6 +220,7 @@ def test_vectorstore_retriever_drives_a_cached_chain(tmp_path, engine: RagEngine
     )  # fmt: skip
     retriever = vs.as_retriever(search_kwargs={"k": 2})
     assert isinstance(retriever, PromptModuleRetriever) and retriever.k == 2
+    assert vs.as_retriever(order="best-last").order == "best-last"
     llm = PromptCacheLLM.from_store(vs.store, max_tokens=4)
     chain = (
         {"context": retriever | format_modules, "question": RunnablePassthrough()}

@@ -29,6 +29,7 @@ from pc_rag.integrations.llama_index import (
 )
 from pc_rag.integrations.llama_index_query import STATS_KEY
 from pc_rag.rag import RagEngine, RagPrompt
+from pc_rag.rag.order import ORDERS
 from pc_rag.retrievers.llama_index import HANDLE_KEYS, node_handle
 from pc_rag.store import as_embedder
 from pc_rag.store.document_store import DocumentStore
@@ -88,6 +89,22 @@ def test_query_engine_answers_as_the_store_does(store: DocumentStore, mode: str 
     prompt = engine.prompt(QUESTION, response.source_nodes)
     assert prompt.startswith(store.engine.prompt.preamble)
     assert "".join(store.stream_prompt(prompt, mode, max_new_tokens=NEW)) == response.response
+
+
+@pytest.mark.parametrize("order", ORDERS)
+def test_retriever_lays_out_nodes_in_its_order(store: DocumentStore, order: str) -> None:
+    nodes = PromptModuleRetriever(store, similarity_top_k=3, order=order).retrieve(QUESTION)
+    assert [node_handle(store, n) for n in nodes] == store.search(QUESTION, k=3, order=order)
+    with pytest.raises(PCRagError, match="unknown chunk order 'random'"):
+        PromptModuleRetriever(store, order="random")
+
+
+@pytest.mark.parametrize("order", ORDERS)
+def test_query_engine_answers_from_the_retrievers_order(store: DocumentStore, order: str) -> None:
+    response = PromptCacheQueryEngine.from_store(store, 3, order=order, max_new_tokens=NEW).query(QUESTION)
+    native = store.answer(QUESTION, k=3, order=order, max_new_tokens=NEW)
+    assert [node_handle(store, n) for n in response.source_nodes] == list(native.sources)
+    assert response.response == native.text
 
 
 def test_prefix_mode_computes_no_chunk_token(store: DocumentStore) -> None:
