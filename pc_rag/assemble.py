@@ -13,6 +13,7 @@ import torch
 from transformers import PreTrainedModel
 
 from pc_rag.kv import KVBuffer, SpanKV
+from pc_rag.model_call import PLAIN, ModelCall
 from pc_rag.rope import RopeSpec
 
 
@@ -40,12 +41,18 @@ def move(kv: SpanKV, rope: RopeSpec, delta: int) -> SpanKV:
 
 @torch.inference_mode()
 def forward_new_tokens(
-    model: PreTrainedModel, buffer: KVBuffer, length: int, ids: Sequence[int], positions: Sequence[int]
+    model: PreTrainedModel,
+    buffer: KVBuffer,
+    length: int,
+    ids: Sequence[int],
+    positions: Sequence[int],
+    call: ModelCall = PLAIN,
 ) -> tuple[torch.Tensor, object]:
     """Run ``ids`` at ``positions`` after ``length`` cached tokens; return last-position logits [V] and the cache."""
     device = buffer.keys.device
     cache = buffer.cache(length)
-    out = model(
+    out = call(
+        model,
         input_ids=torch.tensor([list(ids)], device=device),
         position_ids=torch.tensor([list(positions)], device=device),
         past_key_values=cache,

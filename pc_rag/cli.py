@@ -52,6 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     memory = bench_kinds.add_parser("memory", help="bytes per cached token for each storage dtype")
     memory.add_argument("--json", type=Path, default=None, help="write the rows as JSON here")
     _add_eval_parser(commands)
+    _add_tune_parser(commands)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(message)s")
     try:
@@ -69,6 +70,8 @@ def _run(args: argparse.Namespace) -> int:
     if args.command == "bench" and args.kind in ("ttft", "peers"):
         _lengths(args.tokens)  # refuse bad lengths before the model loads
     lm = load_model(args.model or DEFAULT_MODEL, device=args.device)
+    if args.command == "tune":
+        return _run_tune(args, lm)
     if args.command in ("demo", "index", "ask"):
         from pc_rag import commands
 
@@ -251,3 +254,53 @@ def _run_eval(args: argparse.Namespace) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def _add_tune_parser(commands: argparse._SubParsersAction) -> None:
+    tune = commands.add_parser(
+        "tune", help="train the splice adapter on the tuning split (HotpotQA 300-699) by self-distillation"
+    )
+    tune.add_argument("--dataset", type=Path, required=True, help="the HotpotQA dev JSONL the tuning split is in")
+    tune.add_argument("--work", type=Path, default=None, help="teacher data and chunk stores (default: cache/tune)")
+    tune.add_argument("--out", type=Path, default=None, help="adapter file (default: where serving looks for it)")
+    tune.add_argument("--variants", default=None, help="comma-separated context variants (default: all)")
+    tune.add_argument("--teacher-only", action="store_true", help="only generate (or resume) the teacher data")
+    tune.add_argument("--rank", type=int, default=8, help="LoRA rank (default 8)")
+    tune.add_argument("--alpha", type=float, default=16.0, help="LoRA alpha; scale = alpha / rank (default 16)")
+    tune.add_argument("--targets", default="q_proj,o_proj", help="linear layers adapted (default q_proj,o_proj)")
+    tune.add_argument("--epochs", type=int, default=4, help="passes over the training pairs (default 4)")
+    tune.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (default 1e-3)")
+    tune.add_argument("--accumulate", type=int, default=8, help="pairs per optimizer step (default 8)")
+    tune.add_argument("--eval-every", type=int, default=400, help="pairs between validations (default 400)")
+    tune.add_argument("--patience", type=int, default=3, help="validations without improvement to stop (default 3)")
+
+
+def _run_tune(args: argparse.Namespace, lm: object) -> int:
+    from pc_rag.model import cache_dir
+    from pc_rag.rag import RagEngine, RagPrompt
+    from pc_rag.rag.adapter import AdapterConfig
+    from pc_rag.rag.tuned import adapter_file, tuned_dirs
+    from pc_rag.tune.command import tune
+    from pc_rag.tune.pairs import VARIANTS
+    from pc_rag.tune.train import TrainConfig
+
+    engine = RagEngine(lm, RagPrompt.longbench())
+    variants = tuple(v.strip() for v in args.variants.split(",")) if args.variants else VARIANTS
+    adapter_config = AdapterConfig(args.rank, args.alpha, tuple(t.strip() for t in args.targets.split(",")))
+    train_config = TrainConfig(
+        epochs=args.epochs, lr=args.lr, accumulate=args.accumulate, eval_every=args.eval_every, patience=args.patience
+    )
+    out = args.out or tuned_dirs()[0] / adapter_file(lm.fingerprint())
+    summary = tune(
+        engine, args.dataset, args.work or cache_dir() / "tune", out, variants=variants,
+        adapter_config=adapter_config, train_config=train_config, teacher_only=args.teacher_only,
+    )  # fmt: skip
+    if args.teacher_only:
+        print(f"teacher data: {summary['teacher_pairs']} pairs")
+        return 0
+    base, best = summary["history"][0], summary["best"]
+    pairs = f"{summary['train_pairs']} training pairs, {summary['val_pairs']} validation"
+    print(f"adapter -> {summary['adapter']} ({pairs})")
+    print(f"validation KL(full || spliced), first token / 8 tokens: without adapter {base['first_kl']:.4f} / "
+          f"{base['mean_kl']:.4f}, with {best['first_kl']:.4f} / {best['mean_kl']:.4f}")  # fmt: skip
+    return 0

@@ -15,6 +15,8 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from transformers.cache_utils import Cache
 
+from pc_rag.model_call import PLAIN, ModelCall
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -114,10 +116,11 @@ def decode_tokens(
     next_position: int,
     params: SamplingParams,
     stop_ids: frozenset[int],
+    call: ModelCall = PLAIN,
 ) -> DecodedTokens:
-    """Generated token ids (EOS excluded) until EOS or ``max_new_tokens``."""
+    """Generated token ids (EOS excluded) until EOS or ``max_new_tokens``; each step's forward runs through ``call``."""
     kept: list[torch.Tensor] = []
-    return DecodedTokens(_decode(model, cache, first_logits, next_position, params, stop_ids, kept), kept)
+    return DecodedTokens(_decode(model, cache, first_logits, next_position, params, stop_ids, call, kept), kept)
 
 
 @torch.inference_mode()
@@ -128,6 +131,7 @@ def _decode(
     next_position: int,
     params: SamplingParams,
     stop_ids: frozenset[int],
+    call: ModelCall,
     kept: list[torch.Tensor],
 ) -> Iterator[int]:
     generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
@@ -142,7 +146,8 @@ def _decode(
         yield token
         if step + 1 == params.max_new_tokens:
             return
-        out = model(
+        out = call(
+            model,
             input_ids=torch.tensor([[token]], device=device),
             position_ids=torch.tensor([[next_position + step]], device=device),
             past_key_values=cache,

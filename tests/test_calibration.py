@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from pc_rag.calibration import Calibration, Segments, calibrated_attention
 from pc_rag.errors import PCRagError
-from pc_rag.rag.calibration import Calibration, Segments, calibrated_attention
 
 
 def case(seed: int, q_len: int = 5, total: int = 40, heads: int = 6, kv_heads: int = 2, dim: int = 8):

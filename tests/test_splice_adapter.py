@@ -89,3 +89,18 @@ def test_save_load_roundtrip_and_refusals(adapted, tmp_path) -> None:
         SpliceAdapter.load(tmp_path / "junk.safetensors", lm.model, "fp")
     with pytest.raises(AdapterError, match="no linear layer named"):
         SpliceAdapter(lm.model, AdapterConfig(targets=("nope",)), "fp")
+
+
+def test_only_the_applied_adapter_acts(adapted) -> None:
+    lm, first = adapted
+    with first.applied():
+        alone = logits(lm, IDS)
+    second = SpliceAdapter(lm.model, first.config, "fp").attach()
+    try:
+        with torch.no_grad():
+            for p in second.lora_b.values():
+                p.normal_(0, 0.5)
+        with first.applied():
+            assert torch.equal(logits(lm, IDS), alone)
+    finally:
+        second.detach()

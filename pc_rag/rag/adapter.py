@@ -7,9 +7,9 @@ by self-distillation so that a question computed over spliced chunk KV behaves a
 after a full prefill. It is attached to a model with forward hooks (the model's
 weights and parameter names are untouched) and acts only inside ``applied()``:
 chunk encoding and full prefill never see it, so stored chunk KV stays valid.
-``applied()`` sets a context variable for the calling thread only; wrap each model
-call in it, never a generator's whole life (a context variable set across a
-``yield`` leaks into whatever the consumer runs next).
+``applied()`` sets a context variable for the calling thread only (and names the adapter, so two
+adapters hooked into one model never act together); wrap each model call in it, never a generator's
+whole life (a context variable set across a ``yield`` leaks into whatever the consumer runs next).
 
 Weights are saved as safetensors with the configuration and the model fingerprint
 in the metadata; loading under another fingerprint is refused. This module knows
@@ -34,7 +34,7 @@ from transformers import PreTrainedModel
 
 from pc_rag.errors import PCRagError
 
-_APPLIED: contextvars.ContextVar[bool] = contextvars.ContextVar("pc_rag_splice_adapter", default=False)
+_APPLIED: contextvars.ContextVar[object] = contextvars.ContextVar("pc_rag_splice_adapter", default=None)
 FORMAT = "pc-rag-splice-adapter/1"
 
 
@@ -96,7 +96,7 @@ class SpliceAdapter(nn.Module):
         a, b, scale = self.lora_a[key], self.lora_b[key], self.config.scale
 
         def add_low_rank(module: nn.Module, inputs: tuple[torch.Tensor, ...], output: torch.Tensor) -> torch.Tensor:
-            if not _APPLIED.get():
+            if _APPLIED.get() is not self:  # off, or another adapter of the same model is applied
                 return output
             x = inputs[0]  # [B, Q, in]
             return output + (x @ a.to(x.dtype).T) @ (b.to(x.dtype).T * scale)
@@ -155,7 +155,7 @@ class SpliceAdapter(nn.Module):
     @contextmanager
     def applied(self) -> Iterator[None]:
         """Turn the pairs on for model calls made by this thread inside the block."""
-        token = _APPLIED.set(True)
+        token = _APPLIED.set(self)
         try:
             yield
         finally:

@@ -11,6 +11,7 @@ about retrieval, embeddings or storage: it receives chunks.
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass, replace
 
 import torch
@@ -18,6 +19,8 @@ from transformers import PreTrainedModel
 
 from pc_rag.assemble import forward_new_tokens, splice
 from pc_rag.baseline import serve_full
+from pc_rag.calibration import KWARG as SEGMENTS
+from pc_rag.calibration import Calibration, Segments
 from pc_rag.chat import chat_wrappers
 from pc_rag.encode import encode_spans
 from pc_rag.errors import ContextLengthError, PCRagError
@@ -33,10 +36,14 @@ from pc_rag.generate import (
 )
 from pc_rag.kv import BufferPool, KVBuffer, SpanKV
 from pc_rag.model import LoadedModel
+from pc_rag.model_call import ModelCall
+from pc_rag.rag.adapter import SpliceAdapter
 from pc_rag.rag.modes import RecoveryMode, resolve_mode
 from pc_rag.rag.prompt import RagPrompt
+from pc_rag.rag.query_select import query_indices, question_attention
 from pc_rag.rag.recompute import recompute_and_prefill
 from pc_rag.rag.select import edge_indices, kv_deviation, top_indices
+from pc_rag.rag.tuned import Tuned
 
 _ENCODE_BATCH = 8
 
@@ -67,8 +74,12 @@ class RagEngine:
         canonical_gap: int = 512,
         kv_device: str | torch.device | None = None,
         kv_dtype: torch.dtype | None = None,
+        adapter: SpliceAdapter | None = None,
+        calibration: Calibration | None = None,
     ) -> None:
         self.lm = lm
+        self.tuned = Tuned(lm)  # the adapter and calibration of modes that use them, loaded on first use
+        self.tuned.use(adapter, calibration)
         self.prompt = prompt or RagPrompt()
         self.wrappers = chat_wrappers(lm.tokenizer)
         self.kv_device = torch.device(kv_device) if kv_device is not None else lm.device
@@ -219,20 +230,25 @@ class RagEngine:
             splice(buffer, self.lm.rope, parts)
             tail_positions = range(total, total + len(tail))
             ids = [t for c in chunks for t in c.token_ids]
-            chosen = self._select(mode, buffer, head, slots, ids, total)
+            calls = _QueryCalls(self.tuned, mode, head, total)
+            chosen = self._select(mode, buffer, head, slots, ids, total, tail, calls)
             if chosen:
                 chosen_ids = [ids[i - head] for i in chosen]
                 logits, cache = recompute_and_prefill(
-                    self.lm.model, buffer, total, chosen, chosen_ids, chosen, tail, tail_positions
-                )
+                    self.lm.model, buffer, total, chosen, chosen_ids, chosen, tail, tail_positions,
+                    call=calls.first(chosen),
+                )  # fmt: skip
             else:
-                logits, cache = forward_new_tokens(self.lm.model, buffer, total, tail, tail_positions)
-            tokens = decode_tokens(self.lm.model, cache, logits, total + len(tail), params, self._stop_ids)
+                logits, cache = forward_new_tokens(
+                    self.lm.model, buffer, total, tail, tail_positions, call=calls.first(chosen)
+                )
+            later = calls.later(chosen)
+            tokens = decode_tokens(self.lm.model, cache, logits, total + len(tail), params, self._stop_ids, later)
             own_head = head if request.head_kv is None else 0
             counts = (total - len(chosen) - own_head, len(chosen) + len(tail) + own_head)  # (cached, computed)
             stream = run_generation(tokens, self.lm.tokenizer, params, watch, logits, *counts)
             if reference_ids is not None:
-                stream = _teacher_forced(stream, self.lm.model, buffer, total + len(tail), reference_ids)
+                stream = _teacher_forced(stream, self.lm.model, buffer, total + len(tail), reference_ids, later)
             yield from stream
         finally:
             self._buffers.release(buffer)
@@ -245,8 +261,17 @@ class RagEngine:
         slots: Sequence[tuple[int, int]],
         ids: Sequence[int],
         total: int,
+        tail: Sequence[int],
+        calls: _QueryCalls,
     ) -> list[int]:
-        """Cache indices to recompute (sorted): edge tokens, then the largest KV deviations."""
+        """Cache indices to recompute (sorted): edge tokens, then the question's most attended chunk tokens
+        (``selection == "query"``) or the largest KV deviations."""
+        if mode.selection == "query" and mode.ratio > 0 and ids:
+            positions = range(total, total + len(tail))
+            scores = question_attention(
+                self.lm.model, buffer, total, tail, positions, mode.query_layers, call=calls.first([])
+            )
+            return query_indices(scores, slots, mode.ratio, mode.window, mode.edge)
         chosen = set(edge_indices(slots, mode.edge))
         if mode.ratio > 0 and ids:
             deviation = kv_deviation(self.lm.model, buffer, head, ids, range(head, total), mode.probe_layer)
@@ -265,6 +290,7 @@ def _teacher_forced(
     buffer: KVBuffer,
     prompt_length: int,
     reference_ids: Sequence[int],
+    call: ModelCall,
 ) -> Iterator[str | GenerationResult]:
     """``stream`` whose result carries ``step_logits`` forced with ``reference_ids`` (see ``RagEngine.answer``).
 
@@ -276,22 +302,50 @@ def _teacher_forced(
         if isinstance(item, GenerationResult):
             rows = [item.first_logits[None]]  # [1, V], float32 on the CPU
             if reference_ids:
-                rows.append(_forward_all(model, buffer, prompt_length, reference_ids))
+                rows.append(_forward_all(model, buffer, prompt_length, reference_ids, call))
             item = replace(item, step_logits=torch.cat(rows))
         yield item
 
 
 @torch.inference_mode()
-def _forward_all(model: PreTrainedModel, buffer: KVBuffer, length: int, ids: Sequence[int]) -> torch.Tensor:
+def _forward_all(
+    model: PreTrainedModel, buffer: KVBuffer, length: int, ids: Sequence[int], call: ModelCall
+) -> torch.Tensor:
     """Logits [len(ids), V] (float32, CPU) of ``ids`` run at positions ``length...`` after ``length`` cached tokens."""
     device = buffer.keys.device
-    out = model(
+    out = call(
+        model,
         input_ids=torch.tensor([list(ids)], device=device),
         position_ids=torch.arange(length, length + len(ids), device=device)[None],
         past_key_values=buffer.cache(length),
         use_cache=True,
     )
     return out.logits[0].float().cpu()
+
+
+class _QueryCalls:
+    """The model calls of one request's query-time tokens under ``mode``: adapter applied, attention calibrated."""
+
+    def __init__(self, tuned: Tuned, mode: RecoveryMode, head: int, total: int) -> None:
+        adapter = tuned.adapter() if mode.adapter else None
+        self._context = adapter.applied if adapter is not None else nullcontext
+        self._calibration = tuned.calibration() if mode.calibrated else None
+        self._chunks = (head, total)  # cache indices [head, total) hold the spliced chunks
+
+    def first(self, recomputed: Sequence[int]) -> ModelCall:
+        """The forward of the recomputed tokens (which attend exactly) followed by the question."""
+        return self._call(recomputed, exact_rows=len(recomputed))
+
+    def later(self, recomputed: Sequence[int]) -> ModelCall:
+        """Decode steps and teacher-forced scoring: every row is a query-time token after the question."""
+        return self._call(recomputed, exact_rows=0)
+
+    def _call(self, recomputed: Sequence[int], exact_rows: int) -> ModelCall:
+        if self._calibration is None or self._calibration.is_identity:
+            return ModelCall(context=self._context)
+        index = torch.as_tensor(list(recomputed), dtype=torch.long)
+        segments = Segments(*self._chunks, self._calibration, exact_rows, index)
+        return ModelCall({SEGMENTS: segments}, self._context)
 
 
 @dataclass(frozen=True)

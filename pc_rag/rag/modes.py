@@ -16,14 +16,22 @@ from pc_rag.errors import PCRagError
 @dataclass(frozen=True)
 class RecoveryMode:
     """``conditioned``: chunks attend to the preamble when encoded. ``edge``: recompute each chunk's first
-    ``edge`` tokens. ``ratio``: also recompute that share of chunk tokens with the largest value deviation
-    (CacheBlend), measured on the values of layer ``probe_layer``."""
+    ``edge`` tokens. ``ratio``: also recompute that share of chunk tokens, chosen by ``selection``:
+    ``"deviation"``, the largest value deviation at layer ``probe_layer`` (CacheBlend), or ``"query"``, the
+    most attention from the question over the stale cache in the first ``query_layers`` layers, widened by
+    ``window`` tokens on each side (ProphetKV). ``adapter``: apply the model's splice adapter to the tokens
+    computed at query time. ``calibrated``: APE-calibrate their attention to stale chunk keys."""
 
     name: str
     conditioned: bool = True
     edge: int = 0
     ratio: float = 0.0
     probe_layer: int = 1
+    selection: str = "deviation"
+    query_layers: int = 2
+    window: int = 0
+    adapter: bool = False
+    calibrated: bool = False
 
     @property
     def recomputes(self) -> bool:
@@ -36,18 +44,35 @@ MODES: dict[str, RecoveryMode] = {
     "edge": RecoveryMode("edge", edge=16),
     "selective": RecoveryMode("selective", ratio=0.15),
     "hybrid": RecoveryMode("hybrid", edge=8, ratio=0.10),
+    "query": RecoveryMode("query", ratio=0.10, selection="query", window=1),
+    "fast": RecoveryMode("fast", adapter=True),  # no recompute: the splice adapter alone
 }
 MODES["default"] = RecoveryMode("default", ratio=0.25)  # selective:0.25: the cheapest budget keeping first-token
 # KL to full prefill near 0.05 in our measurements (README, speed-quality curve)
 
-_BUDGETED = {"edge": "edge", "selective": "ratio", "hybrid": "ratio"}  # base mode -> the field a budget sets
+_BUDGETED = {"edge": "edge", "selective": "ratio", "hybrid": "ratio", "query": "ratio"}  # base -> budget field
+_LEVERS = {"adapter": "adapter", "ape": "calibrated"}  # "+name" suffix -> the flag it sets
 
 
 def resolve_mode(spec: str | RecoveryMode) -> RecoveryMode:
-    """A mode by name (``MODES``) or ``base:budget``: ``edge:32`` (tokens per chunk), ``selective:0.25`` or
-    ``hybrid:0.2`` (share of chunk tokens recomputed by deviation; hybrid adds its edge tokens)."""
+    """A mode by name (``MODES``) or ``base:budget``: ``edge:32`` (tokens per chunk), ``selective:0.25``,
+    ``hybrid:0.2`` or ``query:0.1`` (share of chunk tokens recomputed; hybrid adds its edge tokens), each
+    optionally followed by levers: ``+adapter`` (splice adapter), ``+ape`` (attention calibration),
+    e.g. ``prefix+adapter+ape`` or ``query:0.05+adapter``."""
     if isinstance(spec, RecoveryMode):
         return spec
+    base_spec, *levers = spec.split("+")
+    mode = _base_mode(base_spec)
+    if mode is None or any(lever not in _LEVERS for lever in levers):
+        known = ", ".join([*MODES, "edge:<tokens>", "selective:<share>", "hybrid:<share>", "query:<share>"])
+        msg = f"unknown recovery mode {spec!r}; known: {known}, each optionally with +adapter and/or +ape"
+        raise PCRagError(msg)
+    if not levers:
+        return mode
+    return replace(mode, name=spec, **{_LEVERS[lever]: True for lever in levers})
+
+
+def _base_mode(spec: str) -> RecoveryMode | None:
     if spec in MODES:
         return MODES[spec]
     base, sep, budget = spec.partition(":")
@@ -59,9 +84,7 @@ def resolve_mode(spec: str | RecoveryMode) -> RecoveryMode:
             value = -1
         if (field == "edge" and value >= 1) or (field == "ratio" and 0 < value <= 1):
             return replace(MODES[base], name=spec, **{field: value})
-    known = ", ".join([*MODES, "edge:<tokens>", "selective:<share>", "hybrid:<share>"])
-    msg = f"unknown recovery mode {spec!r}; known: {known}"
-    raise PCRagError(msg)
+    return None
 
 
 def is_mode(spec: str) -> bool:

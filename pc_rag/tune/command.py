@@ -14,7 +14,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from pc_rag.errors import PCRagError
-from pc_rag.eval.datasets import load_examples
+from pc_rag.eval.datasets import TUNING_SPLIT, load_examples, tuning_split
 from pc_rag.rag.adapter import AdapterConfig
 from pc_rag.rag.engine import RagEngine
 from pc_rag.tune.pairs import VARIANTS, PairSource
@@ -23,8 +23,6 @@ from pc_rag.tune.train import TrainConfig, train_adapter
 
 logger = logging.getLogger(__name__)
 
-TUNING_DATASET = "hotpotqa"
-TUNING_RANGE = range(300, 700)  # HotpotQA dev questions reserved for training; never evaluated
 VALIDATION_SIZE = 50  # the last questions of the range: early stopping only, never trained on
 
 
@@ -41,14 +39,11 @@ def tune(
     progress: bool = True,
 ) -> dict:
     """Generate (or resume) the teacher set, train, save the adapter at ``out``; return the report."""
-    examples = load_examples(dataset)
-    if not examples or examples[0].dataset != TUNING_DATASET:
-        msg = f"{dataset} is not the {TUNING_DATASET} dev data the tuning split is defined on"
+    split = tuning_split(load_examples(dataset))
+    wanted = sum(len(r) for r in TUNING_SPLIT.values())
+    if len(split) != wanted:
+        msg = f"{dataset} holds {len(split)} questions of the tuning split ({TUNING_SPLIT}), not {wanted}"
         raise PCRagError(msg)
-    if len(examples) < TUNING_RANGE.stop:
-        msg = f"{dataset} has {len(examples)} questions; the tuning split needs {TUNING_RANGE.stop}"
-        raise PCRagError(msg)
-    split = examples[TUNING_RANGE.start : TUNING_RANGE.stop]
     source = PairSource(engine, split, work, variants, val_from=len(split) - VALIDATION_SIZE)
     teacher = TeacherSet(work / "teacher")
     build_teacher(source, teacher, progress=progress)

@@ -6,9 +6,9 @@ are computed, with the adapter applied, and only they carry gradients. The loss 
 KL(teacher || student) summed over the teacher's answer steps, with the teacher's
 top-k tokens and the remaining mass as one bucket. No labels are used. The best
 adapter on the validation pairs (mean KL over the steps) is kept, and training stops
-when it has not improved for ``patience`` evaluations. Training runs attention through
-transformers' differentiable SDPA (the serving kernel's log-sum-exp has no gradient);
-the two agree to fp32 tolerance. This module knows nothing about how pairs or teacher
+when it has not improved for ``patience`` evaluations. With gradients on, the
+serving attention computes query-time rows by differentiable tensor ops (its fused
+kernel's log-sum-exp has no gradient). This module knows nothing about how pairs or teacher
 records are produced.
 """
 
@@ -17,8 +17,8 @@ from __future__ import annotations
 import logging
 import math
 import random
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager, nullcontext
+from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -26,6 +26,8 @@ from tqdm import tqdm
 from transformers.cache_utils import DynamicCache
 
 from pc_rag.assemble import splice
+from pc_rag.calibration import KWARG as SEGMENTS
+from pc_rag.calibration import Calibration, Segments
 from pc_rag.kv import allocate
 from pc_rag.rag.adapter import AdapterConfig, SpliceAdapter
 from pc_rag.rag.engine import Chunk, RagEngine
@@ -78,9 +80,17 @@ def topk_kl(teacher_logp: torch.Tensor, teacher_index: torch.Tensor, student_log
 
 
 def student_logprobs(
-    engine: RagEngine, adapter: SpliceAdapter | None, chunks: Sequence[Chunk], question: str, record: TeacherRecord
+    engine: RagEngine,
+    adapter: SpliceAdapter | None,
+    chunks: Sequence[Chunk],
+    question: str,
+    record: TeacherRecord,
+    calibration: Calibration | None = None,
 ) -> torch.Tensor:
-    """Log-probs [steps, V] of the spliced prompt teacher-forced with the teacher's answer, adapter applied."""
+    """Log-probs [steps, V] of the spliced prompt teacher-forced with the teacher's answer, adapter applied.
+
+    With ``calibration`` the question and answer rows attend to the chunks APE-calibrated.
+    """
     model = engine.lm.model
     head = len(engine.head_ids)
     parts, cursor = [(engine.head_kv, 0)], head
@@ -94,6 +104,7 @@ def student_logprobs(
     tail = engine.tokenize(engine.prompt.tail(engine.wrappers, question))
     inputs = [*tail, *record.answer_ids[: record.steps - 1]]
     device = engine.lm.device
+    extra = {} if calibration is None else {SEGMENTS: Segments(head, cursor, calibration)}
     with adapter.applied() if adapter is not None else nullcontext():
         out = model(
             input_ids=torch.tensor([inputs], device=device),
@@ -101,19 +112,9 @@ def student_logprobs(
             past_key_values=cache,
             use_cache=True,
             logits_to_keep=record.steps,
+            **extra,
         )
     return torch.log_softmax(out.logits[0].float(), dim=-1)
-
-
-@contextmanager
-def _differentiable_attention(engine: RagEngine) -> Iterator[None]:
-    model = engine.lm.model
-    serving = model.config._attn_implementation
-    model.set_attn_implementation("sdpa")
-    try:
-        yield
-    finally:
-        model.set_attn_implementation(serving)
 
 
 def validate(
@@ -123,13 +124,14 @@ def validate(
     chunks: Callable[[Pair], list[Chunk]],
     teacher: Callable[[str], TeacherRecord],
     pairs_seen: int = 0,
+    calibration: Calibration | None = None,
 ) -> Validation:
     """Mean first-step and all-step KL(teacher || student) over ``pairs``, without gradients."""
     firsts, means = [], []
     with torch.no_grad():
         for pair in pairs:
             record = teacher(pair.key)
-            logp = student_logprobs(engine, adapter, chunks(pair), pair.question, record)
+            logp = student_logprobs(engine, adapter, chunks(pair), pair.question, record, calibration)
             kl = topk_kl(record.logp, record.index, logp)
             firsts.append(float(kl[0]))
             means.append(float(kl.mean()))
@@ -162,44 +164,43 @@ def train_adapter(
     rng = random.Random(config.seed)
     seen, stale = 0, 0
     try:
-        with _differentiable_attention(engine):
-            report.best = validate(engine, adapter, val_pairs, chunks, teacher)
-            report.history.append(report.best)
-            logger.info("baseline (no adapter): first KL %.4f, mean KL %.4f", report.best.first_kl, report.best.mean_kl)
-            bar = tqdm(total=config.epochs * len(order), desc="tune", unit="pair", disable=not progress)
-            for _ in range(config.epochs):
-                rng.shuffle(order)
-                for pair in order:
-                    record = teacher(pair.key)
-                    logp = student_logprobs(engine, adapter, chunks(pair), pair.question, record)
-                    # clones: records made under inference mode cannot be saved for backward
-                    loss = topk_kl(record.logp.clone(), record.index.clone(), logp).sum() / config.accumulate
-                    loss.backward()
-                    seen += 1
-                    bar.update()
-                    if seen % config.accumulate == 0:
-                        optimizer.step()
-                        optimizer.zero_grad(set_to_none=True)
-                    if seen % config.eval_every == 0:
-                        result = validate(engine, adapter, val_pairs, chunks, teacher, seen)
-                        report.history.append(result)
-                        bar.set_postfix(val_kl=f"{result.mean_kl:.4f}", first=f"{result.first_kl:.4f}")
-                        if result.mean_kl < report.best.mean_kl:
-                            report.best, stale = result, 0
-                            best_state = {k: v.detach().clone() for k, v in adapter.state_dict().items()}
-                        else:
-                            stale += 1
-                        if stale >= config.patience:
-                            break
-                if stale >= config.patience:
-                    break
-            bar.close()
-            if seen % config.eval_every:  # the pairs since the last validation count too
-                result = validate(engine, adapter, val_pairs, chunks, teacher, seen)
-                report.history.append(result)
-                if result.mean_kl < report.best.mean_kl:
-                    report.best = result
-                    best_state = {k: v.detach().clone() for k, v in adapter.state_dict().items()}
+        report.best = validate(engine, adapter, val_pairs, chunks, teacher)
+        report.history.append(report.best)
+        logger.info("baseline (no adapter): first KL %.4f, mean KL %.4f", report.best.first_kl, report.best.mean_kl)
+        bar = tqdm(total=config.epochs * len(order), desc="tune", unit="pair", disable=not progress)
+        for _ in range(config.epochs):
+            rng.shuffle(order)
+            for pair in order:
+                record = teacher(pair.key)
+                logp = student_logprobs(engine, adapter, chunks(pair), pair.question, record)
+                # clones: records made under inference mode cannot be saved for backward
+                loss = topk_kl(record.logp.clone(), record.index.clone(), logp).sum() / config.accumulate
+                loss.backward()
+                seen += 1
+                bar.update()
+                if seen % config.accumulate == 0:
+                    optimizer.step()
+                    optimizer.zero_grad(set_to_none=True)
+                if seen % config.eval_every == 0:
+                    result = validate(engine, adapter, val_pairs, chunks, teacher, seen)
+                    report.history.append(result)
+                    bar.set_postfix(val_kl=f"{result.mean_kl:.4f}", first=f"{result.first_kl:.4f}")
+                    if result.mean_kl < report.best.mean_kl:
+                        report.best, stale = result, 0
+                        best_state = {k: v.detach().clone() for k, v in adapter.state_dict().items()}
+                    else:
+                        stale += 1
+                    if stale >= config.patience:
+                        break
+            if stale >= config.patience:
+                break
+        bar.close()
+        if seen % config.eval_every:  # the pairs since the last validation count too
+            result = validate(engine, adapter, val_pairs, chunks, teacher, seen)
+            report.history.append(result)
+            if result.mean_kl < report.best.mean_kl:
+                report.best = result
+                best_state = {k: v.detach().clone() for k, v in adapter.state_dict().items()}
     finally:
         adapter.detach()
         for p in frozen:

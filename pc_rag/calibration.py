@@ -84,13 +84,15 @@ class Calibration:
 class Segments:
     """Where a request's stale chunk keys are: cache indices ``[start, end)`` minus the recomputed ones.
 
-    ``rows`` is how many of a forward's last query rows are calibrated (the question and what follows);
-    earlier rows (recomputed chunk tokens) attend exactly.
+    The first ``exact_rows`` query rows of a forward (recomputed chunk tokens, which run before the
+    question in the same forward) attend exactly; the rows after them (the question, decode steps) are
+    calibrated.
     """
 
     start: int
     end: int
     calibration: Calibration
+    exact_rows: int = 0
     recomputed: torch.Tensor | None = None  # [R] cache indices inside [start, end) that were recomputed
 
     def stale_mask(self, total: int, device: torch.device) -> torch.Tensor:
@@ -130,3 +132,14 @@ def calibrated_attention(
     adjusted = torch.where(in_chunks, chunk_scores + shift, scores).masked_fill(~allowed, float("-inf"))
     out = torch.softmax(adjusted, dim=-1).to(value.dtype) @ value  # [B, H_kv, n_rep*Q, D]
     return out.reshape(batch, heads, q_len, dim).transpose(1, 2).contiguous()
+
+
+def trailing_rows_mask(rows: int, keys: int, device: torch.device, window: int | None = None) -> torch.Tensor:
+    """Bool [1, 1, rows, keys]: the last ``rows`` queries, whose own keys are the last ``rows`` keys, see keys
+    up to their own (and, with a sliding ``window``, fewer than ``window`` back)."""
+    query_index = torch.arange(keys - rows, keys, device=device)[:, None]
+    key_index = torch.arange(keys, device=device)[None, :]
+    allowed = key_index <= query_index
+    if window is not None:
+        allowed &= query_index - key_index < window
+    return allowed[None, None]

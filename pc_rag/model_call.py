@@ -1,0 +1,33 @@
+"""How one request calls the model at query time: extra attention kwargs and a context around each call.
+
+Serving a spliced prompt may change how the tokens computed at query time run: a splice
+adapter is applied around each call (``SpliceAdapter.applied``), and attention
+calibration travels as an attention kwarg. A ``ModelCall`` carries both so that the
+prefill of the new tokens, every decode step and any teacher-forced scoring run alike.
+The context wraps one call at a time, never a generator across its ``yield``. This
+module knows nothing about adapters or calibration: it receives them as values.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass, field
+from typing import Any
+
+from transformers import PreTrainedModel
+
+
+@dataclass(frozen=True)
+class ModelCall:
+    """``model(**inputs, **kwargs)`` inside ``context()``."""
+
+    kwargs: Mapping[str, object] = field(default_factory=dict)
+    context: Callable[[], AbstractContextManager[Any]] = nullcontext
+
+    def __call__(self, model: PreTrainedModel, **inputs: Any) -> Any:
+        with self.context():
+            return model(**inputs, **self.kwargs)
+
+
+PLAIN = ModelCall()

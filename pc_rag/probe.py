@@ -1,0 +1,45 @@
+"""The attention probe of query-aware selection: how much attention the question puts on each cache entry.
+
+An ``AttentionProbe`` travels through a model call as the attention kwarg ``pc_rag_probe``;
+each attention layer hands it the question's queries and the keys, and it accumulates, per
+cache entry, the attention probability received from the question's rows (summed over heads
+and rows). After the last probed layer it raises ``ProbeDone`` so the caller can stop the
+forward. This module knows nothing about chunks or selection.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pc_rag.calibration import trailing_rows_mask
+
+KWARG = "pc_rag_probe"
+
+
+class ProbeDone(Exception):
+    """Raised once the last probed layer has scored the cache: the rest of the forward is not needed."""
+
+
+class AttentionProbe:
+    """Per-cache-entry attention mass from the question's rows, accumulated over probed layers."""
+
+    def __init__(self, cached: int, layers: int) -> None:
+        self.cached, self.layers = cached, layers
+        self.scores: torch.Tensor | None = None  # [cached]
+
+    def add(
+        self, layer: int, query: torch.Tensor, key: torch.Tensor, scaling: float, window: int | None = None
+    ) -> None:
+        """Score the cached keys with ``query`` [B, H, Q, D] (the question, whose keys are the last Q of ``key``
+        [B, H_kv, S, D]); stop after the last probed layer."""
+        batch, heads, q_len, dim = query.shape
+        kv_heads = key.shape[1]
+        n_rep = heads // kv_heads
+        q = query.reshape(batch, kv_heads, n_rep * q_len, dim)  # the row r * Q + q of the packed heads
+        logits = (q @ key.transpose(-1, -2)).float() * scaling  # [B, H_kv, n_rep*Q, S]
+        allowed = trailing_rows_mask(q_len, key.shape[2], key.device, window).repeat(1, 1, n_rep, 1)
+        logits = logits.masked_fill(~allowed, float("-inf"))
+        mass = logits.softmax(-1)[..., : self.cached].sum((0, 1, 2))  # [cached]
+        self.scores = mass if self.scores is None else self.scores + mass
+        if layer + 1 >= self.layers:
+            raise ProbeDone

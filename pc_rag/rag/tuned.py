@@ -1,0 +1,84 @@
+"""Where a model's fitted splice adapter and attention calibration live, and loading them on first use.
+
+Both are keyed by the model fingerprint: ``<fingerprint>.safetensors`` (adapter) and
+``<fingerprint>.calibration.json``, looked up first in ``$PC_RAG_CACHE/tuned/`` (what
+``pc-rag tune`` writes) and then in the package (``pc_rag/data/tuned/``, shipped for the
+bundled model). A mode that needs one that does not exist fails with a message saying
+how to make it. This module knows nothing about serving.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+from pc_rag.calibration import Calibration
+from pc_rag.errors import PCRagError
+from pc_rag.model import LoadedModel, cache_dir
+from pc_rag.rag.adapter import SpliceAdapter
+
+PACKAGED = Path(__file__).resolve().parent.parent / "data" / "tuned"
+
+
+def tuned_dirs() -> list[Path]:
+    """Directories searched in order: the user's cache, then the package."""
+    return [cache_dir() / "tuned", PACKAGED]
+
+
+def adapter_file(fingerprint: str) -> Path:
+    return Path(f"{fingerprint}.safetensors")
+
+
+def calibration_file(fingerprint: str) -> Path:
+    return Path(f"{fingerprint}.calibration.json")
+
+
+class Tuned:
+    """A model's adapter and calibration, found and loaded once, on first use (thread-safe)."""
+
+    def __init__(self, lm: LoadedModel) -> None:
+        self.lm = lm
+        self._lock = threading.Lock()
+        self._adapter: SpliceAdapter | None = None
+        self._calibration: Calibration | None = None
+        self._fingerprint: str | None = None
+
+    def use(self, adapter: SpliceAdapter | None = None, calibration: Calibration | None = None) -> None:
+        """Serve with these instead of looking them up (the adapter is attached to the model)."""
+        with self._lock:
+            if adapter is not None:
+                if self._adapter is not None and self._adapter is not adapter:
+                    self._adapter.detach()
+                self._adapter = adapter.attach()
+            if calibration is not None:
+                self._calibration = calibration
+
+    def adapter(self) -> SpliceAdapter:
+        with self._lock:
+            if self._adapter is None:
+                path = self._find(adapter_file(self.fingerprint()), "splice adapter")
+                self._adapter = SpliceAdapter.load(path, self.lm.model, self.fingerprint()).attach()
+            return self._adapter
+
+    def calibration(self) -> Calibration:
+        with self._lock:
+            if self._calibration is None:
+                path = self._find(calibration_file(self.fingerprint()), "attention calibration")
+                self._calibration = Calibration.load(path, self.fingerprint())
+            return self._calibration
+
+    def fingerprint(self) -> str:
+        if self._fingerprint is None:
+            self._fingerprint = self.lm.fingerprint()
+        return self._fingerprint
+
+    def _find(self, name: Path, what: str) -> Path:
+        for directory in tuned_dirs():
+            if (directory / name).is_file():
+                return directory / name
+        searched = ", ".join(str(d) for d in tuned_dirs())
+        msg = (
+            f"no {what} for model {self.lm.name!r} (fingerprint {self.fingerprint()}) in {searched}; "
+            "make one with `pc-rag tune`, or choose a mode without it"
+        )
+        raise PCRagError(msg)
