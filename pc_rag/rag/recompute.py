@@ -8,7 +8,9 @@ attention, so a selected token at cache index ``c`` attends to the cache up to
 ``c`` (fresh where recomputed, stale elsewhere) and the question attends to the
 whole refreshed cache, then causally to itself. The question's KV follows the
 cache, so decoding continues from one consistent cache of ``T + N`` entries.
-This module knows nothing about chunks, modes or retrieval: it works on cache indices.
+The attention gets this structure as ``QueryBlocks`` (each query's cache index),
+never as a dense [S+N, T+N] mask. This module knows nothing about chunks, modes
+or retrieval: it works on cache indices.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import torch
 from transformers import PreTrainedModel
 from transformers.cache_utils import Cache
 
+from pc_rag.attention import QueryBlocks
 from pc_rag.kv import KVBuffer, PreallocatedLayer
 
 
@@ -43,14 +46,18 @@ def recompute_mask(cached: int, selected: Sequence[int], new: int, window: int |
     """Bool mask [1, 1, S+N, T+N] for ``selected`` (sorted cache indices, refreshed in place) then ``new`` tokens.
 
     With ``window`` (sliding-window layers) a key ``window`` or more indices before its query is also hidden.
+    This is the semantics ``recompute_and_prefill`` implements; serving never builds it.
     """
-    sel = torch.as_tensor(list(selected), dtype=torch.long)
-    query_index = torch.cat((sel, torch.arange(cached, cached + new)))  # [S+N]: where each query's KV lives
+    query_index = _query_index(cached, selected, new)  # [S+N]: where each query's KV lives
     key_index = torch.arange(cached + new)  # [T+N]
     mask = key_index[None, :] <= query_index[:, None]
     if window is not None:
         mask &= (query_index[:, None] - key_index[None, :]) < window
     return mask[None, None]
+
+
+def _query_index(cached: int, selected: Sequence[int], new: int) -> torch.Tensor:
+    return torch.cat((torch.as_tensor(list(selected), dtype=torch.long), torch.arange(cached, cached + new)))
 
 
 @torch.inference_mode()
@@ -67,13 +74,10 @@ def recompute_and_prefill(
     """Refresh ``selected`` cache entries and run ``new_ids``; return last logits [V] and the cache (length T+N)."""
     device = buffer.keys.device
     n_new = len(new_ids)
-    config = model.config.get_text_config()
-    full = recompute_mask(cached, selected, n_new).to(device)
-    layer_types = getattr(config, "layer_types", None) or []
-    mask: object = full
-    if "sliding_attention" in layer_types:
-        sliding = recompute_mask(cached, selected, n_new, window=config.sliding_window).to(device)
-        mask = {"full_attention": full, "sliding_attention": sliding}
+    blocks = QueryBlocks.of(_query_index(cached, selected, n_new).to(device))  # once, for every layer
+    layer_types = getattr(model.config.get_text_config(), "layer_types", None) or []
+    # no mask to build: query_blocks replaces it (and each layer's own sliding window applies)
+    mask = {"full_attention": None, "sliding_attention": None} if "sliding_attention" in layer_types else None
     index = torch.as_tensor(list(selected), dtype=torch.long, device=device)
     cache = Cache(
         layers=[RefreshLayer(buffer.keys[i], buffer.values[i], cached, index) for i in range(len(buffer.keys))]
@@ -85,5 +89,6 @@ def recompute_and_prefill(
         past_key_values=cache,
         use_cache=True,
         logits_to_keep=1,
+        query_blocks=blocks,
     )
     return out.logits[0, -1], buffer.cache(cached + n_new)
