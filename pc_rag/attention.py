@@ -27,6 +27,10 @@ from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import causal_mask_function, sdpa_mask
 
+from pc_rag.calibration import KWARG as SEGMENTS
+from pc_rag.calibration import Segments, calibrated_attention, trailing_rows_mask
+from pc_rag.probe import KWARG as PROBE
+
 ATTENTION = "pc_rag_sdpa"
 
 _FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
@@ -139,6 +143,11 @@ def packed_gqa_attention(
 ) -> tuple[torch.Tensor, None]:
     """Blocked attention for ``query_blocks`` (which replace any mask) or a causal run after a cache;
     otherwise SDPA with the given mask, the query-head groups folded into the query axis."""
+    probe, segments = kwargs.pop(PROBE, None), kwargs.pop(SEGMENTS, None)
+    if probe is not None:  # query-aware selection scores the cache (and may stop the forward here)
+        probe.add(module.layer_idx, query, key, _scaling(module, scaling), kwargs.get("sliding_window"))
+    if segments is not None or (torch.is_grad_enabled() and query.requires_grad):
+        return _query_time(module, query, key, value, attention_mask, scaling, segments, **kwargs), None
     blocks = kwargs.pop("query_blocks", None)
     q_len, k_len = query.shape[2], key.shape[2]
     if blocks is None and attention_mask is None and 1 < q_len < k_len:
@@ -227,3 +236,41 @@ def _mask(
 
 AttentionInterface.register(ATTENTION, packed_gqa_attention)
 AttentionMaskInterface.register(ATTENTION, _mask)
+
+
+def _scaling(module: torch.nn.Module, scaling: float | None) -> float:
+    return scaling if scaling is not None else module.head_dim**-0.5
+
+
+def _query_time(
+    module: torch.nn.Module,
+    query: torch.Tensor,  # [B, H, Q, D]
+    key: torch.Tensor,  # [B, H_kv, S, D]
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None,
+    segments: Segments | None,
+    **kwargs: object,
+) -> torch.Tensor:  # [B, Q, H, D]
+    """Query-time rows with APE calibration (``segments``) or with gradients (training a splice adapter).
+
+    Recomputed rows (the first ``segments.exact_rows``) attend exactly through the serving path; the
+    rows after them are the last keys' own queries (question, decode steps) and attend causally, with
+    stale chunk keys calibrated. With gradients every row is such a row (training recomputes nothing),
+    computed by differentiable tensor ops: the fused kernel's log-sum-exp has no gradient.
+    """
+    q_len, k_len = query.shape[2], key.shape[2]
+    exact = segments.exact_rows if segments is not None else 0
+    window = kwargs.get("sliding_window")
+    allowed = trailing_rows_mask(q_len - exact, k_len, key.device, window)  # type: ignore[arg-type]
+    if segments is None:
+        mask = allowed.expand(query.shape[0], -1, -1, -1)
+        return sdpa_attention_forward(module, query, key, value, mask, scaling=scaling)[0]
+    t, s = segments.calibration.at(module.layer_idx)
+    stale = segments.stale_mask(k_len, key.device)
+    rows = calibrated_attention(query[:, :, exact:], key, value, allowed, stale, _scaling(module, scaling), t, s)
+    if not exact:
+        return rows
+    out, _ = packed_gqa_attention(module, query, key, value, attention_mask, 0.0, scaling, **kwargs)
+    out[:, exact:] = rows
+    return out

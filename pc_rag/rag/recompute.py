@@ -23,6 +23,7 @@ from transformers.cache_utils import Cache
 
 from pc_rag.attention import QueryBlocks
 from pc_rag.kv import KVBuffer, PreallocatedLayer
+from pc_rag.model_call import PLAIN, ModelCall
 
 
 class RefreshLayer(PreallocatedLayer):
@@ -70,6 +71,7 @@ def recompute_and_prefill(
     selected_positions: Sequence[int],
     new_ids: Sequence[int],
     new_positions: Sequence[int],
+    call: ModelCall = PLAIN,
 ) -> tuple[torch.Tensor, Cache]:
     """Refresh ``selected`` cache entries and run ``new_ids``; return last logits [V] and the cache (length T+N)."""
     device = buffer.keys.device
@@ -82,7 +84,8 @@ def recompute_and_prefill(
     cache = Cache(
         layers=[RefreshLayer(buffer.keys[i], buffer.values[i], cached, index) for i in range(len(buffer.keys))]
     )
-    out = model(
+    out = call(
+        model,
         input_ids=torch.tensor([[*selected_ids, *new_ids]], device=device),
         position_ids=torch.tensor([[*selected_positions, *new_positions]], device=device),
         attention_mask=mask,
