@@ -273,6 +273,10 @@ def _add_tune_parser(commands: argparse._SubParsersAction) -> None:
     tune.add_argument("--accumulate", type=int, default=8, help="pairs per optimizer step (default 8)")
     tune.add_argument("--eval-every", type=int, default=400, help="pairs between validations (default 400)")
     tune.add_argument("--patience", type=int, default=3, help="validations without improvement to stop (default 3)")
+    tune.add_argument(
+        "--calibrate", default=None, metavar="T1,...:S1,...",
+        help="then fit APE's temperature and scale on this grid, with the adapter (e.g. 0.9,1:1,1.1)",
+    )  # fmt: skip
 
 
 def _run_tune(args: argparse.Namespace, lm: object) -> int:
@@ -291,9 +295,11 @@ def _run_tune(args: argparse.Namespace, lm: object) -> int:
         epochs=args.epochs, lr=args.lr, accumulate=args.accumulate, eval_every=args.eval_every, patience=args.patience
     )
     out = args.out or tuned_dirs()[0] / adapter_file(lm.fingerprint())
+    grid = _calibration_grid(args.calibrate) if args.calibrate else None
     summary = tune(
         engine, args.dataset, args.work or cache_dir() / "tune", out, variants=variants,
         adapter_config=adapter_config, train_config=train_config, teacher_only=args.teacher_only,
+        calibration_grid=grid,
     )  # fmt: skip
     if args.teacher_only:
         print(f"teacher data: {summary['teacher_pairs']} pairs")
@@ -303,4 +309,19 @@ def _run_tune(args: argparse.Namespace, lm: object) -> int:
     print(f"adapter -> {summary['adapter']} ({pairs})")
     print(f"validation KL(full || spliced), first token / 8 tokens: without adapter {base['first_kl']:.4f} / "
           f"{base['mean_kl']:.4f}, with {best['first_kl']:.4f} / {best['mean_kl']:.4f}")  # fmt: skip
+    if "calibration" in summary:
+        c = summary["calibration"]
+        print(f"APE calibration -> {c['path']}: temperature {c['temperature']}, scale {c['scale']}")
     return 0
+
+
+def _calibration_grid(spec: str) -> tuple[list[float], list[float]]:
+    try:
+        temperatures, scales = ([float(x) for x in part.split(",")] for part in spec.split(":"))
+    except ValueError as e:
+        msg = f"--calibrate takes T1,T2,...:S1,S2,..., got {spec!r}"
+        raise PCRagError(msg) from e
+    if not temperatures or not scales or min(temperatures + scales) <= 0:
+        msg = f"--calibrate needs positive temperatures and scales, got {spec!r}"
+        raise PCRagError(msg)
+    return temperatures, scales

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
 
@@ -17,6 +18,8 @@ from pc_rag.errors import PCRagError
 from pc_rag.eval.datasets import TUNING_SPLIT, load_examples, tuning_split
 from pc_rag.rag.adapter import AdapterConfig
 from pc_rag.rag.engine import RagEngine
+from pc_rag.rag.tuned import calibration_file
+from pc_rag.tune.calibrate import fit_calibration
 from pc_rag.tune.pairs import VARIANTS, PairSource
 from pc_rag.tune.teacher import TeacherSet, build_teacher
 from pc_rag.tune.train import TrainConfig, train_adapter
@@ -36,9 +39,14 @@ def tune(
     adapter_config: AdapterConfig,
     train_config: TrainConfig,
     teacher_only: bool = False,
+    calibration_grid: tuple[Sequence[float], Sequence[float]] | None = None,
     progress: bool = True,
 ) -> dict:
-    """Generate (or resume) the teacher set, train, save the adapter at ``out``; return the report."""
+    """Generate (or resume) the teacher set, train, save the adapter at ``out``; return the report.
+
+    With ``calibration_grid`` (temperatures, scales) APE's (T, S) is then fitted on the validation pairs
+    with the adapter applied and saved beside it (``<fingerprint>.calibration.json``).
+    """
     split = tuning_split(load_examples(dataset))
     wanted = sum(len(r) for r in TUNING_SPLIT.values())
     if len(split) != wanted:
@@ -67,5 +75,16 @@ def tune(
         "history": [asdict(v) for v in report.history],
         "best": asdict(report.best) if report.best else None,
     }
+    if calibration_grid is not None:
+        calibration, grid = fit_calibration(
+            engine, val, source.chunks, teacher.get, *calibration_grid, adapter=adapter.attach(), progress=progress
+        )
+        adapter.detach()
+        path = out.parent / calibration_file(adapter.fingerprint)
+        calibration.save(path, adapter.fingerprint)
+        summary["calibration"] = {"path": str(path), **asdict(calibration)}
+        summary["calibration_grid"] = [
+            {"temperature": p.temperature, "scale": p.scale, **asdict(p.result)} for p in grid
+        ]
     out.with_suffix(".json").write_text(json.dumps(summary, indent=1) + "\n", encoding="utf-8")
     return summary
