@@ -1,0 +1,80 @@
+"""Render the README's result tables from `pc-rag eval` JSON, so no figure is copied by hand.
+
+    python examples/results_table.py examples/results/levers30.json [--dataset all] [--columns ...]
+
+Prints a Markdown table with one row per (dataset, mode) of the chosen datasets: F1 and its change
+against full prefill with the paired bootstrap interval, answer identity, first-token agreement and KL,
+the teacher-forced KL and agreement over 8 tokens, TTFT median and the speedup over full prefill.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+Row = dict[str, Any]
+
+
+def _delta(row: Row) -> str:
+    if row.get("f1_delta") is None:
+        return ""
+    low, high = row["f1_delta_ci95"]
+    return f"{row['f1_delta']:+.2f} [{low:+.2f}, {high:+.2f}]"
+
+
+def _share(key: str) -> Callable[[Row], str]:
+    return lambda row: "" if row.get(key) is None else f"{100 * row[key]:.1f}%"
+
+
+def _number(key: str, digits: int) -> Callable[[Row], str]:
+    return lambda row: "" if row.get(key) is None else f"{row[key]:,.{digits}f}"
+
+
+COLUMNS: dict[str, tuple[str, Callable[[Row], str]]] = {
+    "n": ("n", _number("n", 0)),
+    "context": ("context", _number("context_tokens_mean", 0)),
+    "f1": ("F1", _number("f1", 2)),
+    "df1": ("ΔF1 vs full [95% CI]", _delta),
+    "identical": ("answer = full", _share("identical")),
+    "tok1": ("first token = full", _share("first_token_agreement")),
+    "kl": ("KL(full‖mode)", _number("first_token_kl", 3)),
+    "tfkl": ("8-token KL", _number("teacher_forced_kl", 3)),
+    "tfagr": ("8-token agreement", _share("teacher_forced_agreement")),
+    "ttft": ("TTFT p50", lambda r: f"{r['ttft_ms_median']:,.0f} ms"),
+    "speedup": ("speedup", lambda r: f"{r['speedup']:.1f}x"),
+    "recall": ("recall@k", _number("retrieval_recall", 3)),
+}
+DEFAULT = "n,context,f1,df1,identical,tok1,kl,tfkl,tfagr,ttft,speedup"
+
+
+def table(rows: list[Row], datasets: list[str] | None, columns: list[str]) -> str:
+    """Markdown rows for ``datasets`` (all when None); ``speedup`` is full prefill's TTFT median over the mode's."""
+    full = {(r["setting"], r["dataset"]): r["ttft_ms_median"] for r in rows if r["mode"] == "full"}
+    chosen = [r for r in rows if datasets is None or r["dataset"] in datasets]
+    for r in chosen:
+        r["speedup"] = full[(r["setting"], r["dataset"])] / r["ttft_ms_median"]
+    lead = ["setting"] if len({r["setting"] for r in chosen}) > 1 else []
+    head = [*lead, "dataset", "mode", *(COLUMNS[c][0] for c in columns)]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in chosen:
+        mode = "full prefill" if r["mode"] == "full" else f"`{r['mode']}`"
+        cells = [*(r[k] for k in lead), r["dataset"], mode, *(COLUMNS[c][1](r) for c in columns)]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("json", type=Path, help="a `pc-rag eval --json` file")
+    parser.add_argument("--dataset", action="append", default=None, help="only these datasets (repeatable)")
+    parser.add_argument("--columns", default=DEFAULT, help=f"comma-separated, of {', '.join(COLUMNS)}")
+    args = parser.parse_args()
+    rows = json.loads(args.json.read_text(encoding="utf-8"))["results"]
+    print(table(rows, args.dataset, [c.strip() for c in args.columns.split(",")]))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,37 @@
+"""The splice adapter shipped for SmolLM2: it loads for the bundled model and brings answers toward full prefill
+on questions outside the tuning split (the bundled sample is HotpotQA 0-39)."""
+
+from __future__ import annotations
+
+import pytest
+
+from pc_rag.eval.metrics import teacher_forced
+from pc_rag.model import LoadedModel
+from pc_rag.rag import RagEngine, RagPrompt
+from pc_rag.rag.tuned import PACKAGED, adapter_file
+from pc_rag.sample import sample_questions
+
+pytestmark = pytest.mark.real_model
+
+
+@pytest.fixture(scope="module")
+def engine(smollm2: LoadedModel) -> RagEngine:
+    return RagEngine(smollm2, RagPrompt.longbench())
+
+
+def test_the_packaged_adapter_is_for_the_bundled_model(engine: RagEngine) -> None:
+    assert (PACKAGED / adapter_file(engine.lm.fingerprint())).is_file()
+    assert engine.tuned.adapter().fingerprint == engine.lm.fingerprint()
+
+
+def test_fast_is_closer_to_full_prefill_than_plain_splicing(engine: RagEngine) -> None:
+    """Mean 8-token teacher-forced KL(full || mode) over sample questions: the adapter must reduce it."""
+    totals = {"prefix": 0.0, "fast": 0.0}
+    for q in sample_questions()[:4]:
+        texts = [engine.passage_text(i + 1, t, x) for i, (t, x) in enumerate(q.passages)]
+        chunks = engine.encode(texts, "prefix")
+        full = engine.answer_full(chunks, q.question, max_new_tokens=8, keep_logits=8)
+        for mode in totals:
+            result = engine.answer(chunks, q.question, mode, max_new_tokens=8, reference_ids=full.token_ids[:7])
+            totals[mode] += teacher_forced(full, result)[0]
+    assert totals["fast"] < 0.8 * totals["prefix"], totals
