@@ -21,7 +21,9 @@ BEST_FIRST = "best-first"
 BEST_LAST = "best-last"
 LOST_IN_THE_MIDDLE = "lost-in-the-middle"
 ORDERS = (BEST_FIRST, BEST_LAST, LOST_IN_THE_MIDDLE)
-DEFAULT_ORDER = BEST_FIRST  # what answering uses unless told otherwise
+# What answering uses unless told otherwise: on open retrieval (top 10 of pooled HotpotQA, 2WikiMQA
+# and MuSiQue passages, SmolLM2-135M), best-last had the highest F1 in full prefill, prefix and default.
+DEFAULT_ORDER = BEST_LAST
 
 
 def check_order(order: str) -> str:

@@ -83,7 +83,7 @@ def test_chain_prompt_is_served_like_the_store_serves_it(store: DocumentStore) -
 
 
 def test_retriever_documents_carry_handles(store: DocumentStore) -> None:
-    docs = PromptModuleRetriever(store=store, k=2).invoke(QUESTION)
+    docs = PromptModuleRetriever(store=store, k=2, order="best-first").invoke(QUESTION)
     handles = store.search(QUESTION, k=2)
     assert [d.page_content for d in docs] == [h.text for h in handles]
     top = docs[0]
