@@ -21,7 +21,8 @@ from pc_rag.rag.markers import split_module_prompt
 from pc_rag.rag.prompt import RagPrompt
 from pc_rag.store.document_store import DocumentStore
 
-SAMPLING_FIELDS = frozenset(SamplingParams.__dataclass_fields__)
+# what a framework user may set; keep_logits is a measurement switch of the eval, not a generation setting
+SAMPLING_FIELDS = frozenset(SamplingParams.__dataclass_fields__) - {"keep_logits"}
 
 
 @dataclass
