@@ -1,6 +1,6 @@
 """Render the README's result tables from `pc-rag eval` JSON, so no figure is copied by hand.
 
-    python examples/results_table.py examples/results/levers30.json [--dataset all] [--columns ...]
+    python examples/results_table.py examples/results/levers30.json [more.json ...] [--dataset all] [--columns ...]
 
 Prints a Markdown table with one row per (dataset, mode) of the chosen datasets: F1 and its change
 against full prefill with the paired bootstrap interval, answer identity, first-token agreement and KL,
@@ -68,11 +68,11 @@ def table(rows: list[Row], datasets: list[str] | None, columns: list[str]) -> st
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("json", type=Path, help="a `pc-rag eval --json` file")
+    parser.add_argument("json", type=Path, nargs="+", help="`pc-rag eval --json` files (their rows are joined)")
     parser.add_argument("--dataset", action="append", default=None, help="only these datasets (repeatable)")
     parser.add_argument("--columns", default=DEFAULT, help=f"comma-separated, of {', '.join(COLUMNS)}")
     args = parser.parse_args()
-    rows = json.loads(args.json.read_text(encoding="utf-8"))["results"]
+    rows = [row for path in args.json for row in json.loads(path.read_text(encoding="utf-8"))["results"]]
     print(table(rows, args.dataset, [c.strip() for c in args.columns.split(",")]))
 
 
