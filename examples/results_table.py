@@ -2,7 +2,8 @@
 
     python examples/results_table.py examples/results/levers30.json [more.json ...] [--dataset all] [--columns ...]
 
-Prints a Markdown table with one row per (dataset, mode) of the chosen datasets: F1 and its change
+Given `pc-rag bench peers --json` files instead, prints TTFT, speedup and decode speed per peer.
+Otherwise prints a Markdown table with one row per (dataset, mode) of the chosen datasets: F1 and its change
 against full prefill with the paired bootstrap interval, answer identity, first-token agreement and KL,
 the teacher-forced KL and agreement over 8 tokens, TTFT median and the speedup over full prefill.
 """
@@ -66,13 +67,33 @@ def table(rows: list[Row], datasets: list[str] | None, columns: list[str]) -> st
     return "\n".join(lines)
 
 
+def peers_table(rows: list[Row]) -> str:
+    """Markdown rows of a `pc-rag bench peers --json` file: TTFT and speedup per length, decode tokens/s."""
+    lengths = sorted({r["context_tokens"] for r in rows})
+    full = {r["context_tokens"]: r["ttft_ms"] for r in rows if r["peer"].startswith("full prefill")}
+    head = ["peer", *(x for t in lengths for x in (f"TTFT @{t}", "speedup")), "decode tok/s"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for peer in dict.fromkeys(r["peer"] for r in rows):
+        runs = {r["context_tokens"]: r for r in rows if r["peer"] == peer}
+        if any(r["ttft_ms"] is None for r in runs.values()):
+            continue  # a peer that could not run (its reason is in the JSON)
+        cells = [x for t in lengths for x in (f"{runs[t]['ttft_ms']:,.0f} ms", f"{full[t] / runs[t]['ttft_ms']:.1f}x")]
+        decode = " / ".join(f"{runs[t]['decode_tokens_per_s']:.0f}" for t in lengths)
+        lines.append("| " + " | ".join([peer, *cells, decode]) + " |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("json", type=Path, nargs="+", help="`pc-rag eval --json` files (their rows are joined)")
     parser.add_argument("--dataset", action="append", default=None, help="only these datasets (repeatable)")
     parser.add_argument("--columns", default=DEFAULT, help=f"comma-separated, of {', '.join(COLUMNS)}")
     args = parser.parse_args()
-    rows = [row for path in args.json for row in json.loads(path.read_text(encoding="utf-8"))["results"]]
+    loaded = [json.loads(path.read_text(encoding="utf-8")) for path in args.json]
+    if all(isinstance(d, list) for d in loaded):  # bench peers rows
+        print(peers_table([row for d in loaded for row in d]))
+        return
+    rows = [row for d in loaded for row in d["results"]]
     print(table(rows, args.dataset, [c.strip() for c in args.columns.split(",")]))
 
 
