@@ -22,10 +22,8 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
-from transformers.cache_utils import DynamicCache
 
 from pc_rag.errors import PCRagError
-from pc_rag.generate import eos_ids
 from pc_rag.rag.engine import Chunk, RagEngine
 from pc_rag.tune.pairs import PairSource
 
@@ -47,36 +45,15 @@ class TeacherRecord:
         return int(self.index.shape[0])
 
 
-@torch.inference_mode()
 def teach(
     engine: RagEngine, chunks: Sequence[Chunk], question: str, key: str, steps: int = STEPS, top: int = TOP
 ) -> TeacherRecord:
     """Full prefill of ``chunks`` and ``question`` as ``engine`` lays them out, then ``steps`` greedy steps."""
-    model = engine.lm.model
-    ids = engine.full_ids(chunks, question)
-    device = engine.lm.device
-    stop = eos_ids(model, engine.lm.tokenizer)
-    cache = DynamicCache()
-    out = model(input_ids=torch.tensor([ids], device=device), past_key_values=cache, use_cache=True, logits_to_keep=1)
-    answer: list[int] = []
-    rows_i, rows_p = [], []
-    for step in range(steps):
-        logp = torch.log_softmax(out.logits[0, -1].float(), dim=-1)
-        best = torch.topk(logp, top)
-        rows_i.append(best.indices.cpu())
-        rows_p.append(best.values.cpu())
-        token = int(best.indices[0])
-        if token in stop or step + 1 == steps:
-            break
-        answer.append(token)
-        out = model(
-            input_ids=torch.tensor([[token]], device=device),
-            position_ids=torch.tensor([[len(ids) + step]], device=device),
-            past_key_values=cache,
-            use_cache=True,
-            logits_to_keep=1,
-        )
-    return TeacherRecord(key, tuple(answer[: len(rows_i) - 1]), torch.stack(rows_i), torch.stack(rows_p))
+    full = engine.answer_full(chunks, question, max_new_tokens=steps, keep_logits=steps)
+    assert full.step_logits is not None
+    best = torch.topk(torch.log_softmax(full.step_logits, dim=-1), top)  # [steps run, top]
+    answer = full.token_ids[: best.indices.shape[0] - 1]  # the last step's token (or EOS) is never fed back
+    return TeacherRecord(key, tuple(answer), best.indices, best.values)
 
 
 class TeacherSet:
