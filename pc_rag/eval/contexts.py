@@ -120,29 +120,15 @@ class OpenContexts:
         return self._retrieved[key]
 
     def _store(self, dataset: str, conditioned: bool) -> Any:
-        from pc_rag.store.document_store import DocumentStore
-        from pc_rag.store.manifest import MANIFEST_NAME
 
         key = (dataset, conditioned)
         if key not in self._stores:
             unique = {passage_id(p): p for p in self._pools[dataset]}
             encoding = "conditioned" if conditioned else "isolated"
             path = self.directory / f"{dataset}-{self._pool_digest(unique)}-{encoding}"
-            if (path / MANIFEST_NAME).is_file():
-                store = DocumentStore.load(path, self.engine, embedder=self.embedder)
-            else:
-                longest = max(len(self.engine.tokenize(passage_text(p))) for p in unique.values())
-                store = DocumentStore.create(
-                    path, self.engine, embedder=self.embedder, chunk_tokens=longest + 16, overlap_tokens=0,
-                    mode="prefix" if conditioned else "naive",
-                )  # fmt: skip
-            stored = set(store.documents)
-            missing = [pid for pid in unique if pid not in stored]
-            for i in range(0, len(missing), self.build_part):
-                part = missing[i : i + self.build_part]
-                documents = [(passage_text(unique[pid]), {"title": unique[pid].title}) for pid in part]
-                store.add_documents(documents, ids=part)
-            self._stores[key] = store
+            documents = {pid: (passage_text(p), {"title": p.title}) for pid, p in unique.items()}
+            mode = "prefix" if conditioned else "naive"
+            self._stores[key] = pooled_store(path, self.engine, documents, mode, self.embedder, part=self.build_part)
         return self._stores[key]
 
     def _pool_digest(self, unique: dict[str, Passage]) -> str:
@@ -150,6 +136,39 @@ class OpenContexts:
         digest = hashlib.sha256(f"{self.engine.lm.fingerprint()}\x00{self.engine.prompt.digest()}".encode())
         digest.update("\n".join(sorted(unique)).encode())
         return digest.hexdigest()[:12]
+
+
+def pooled_store(
+    path: Path,
+    engine: Any,
+    documents: dict[str, tuple[str, dict[str, Any]]],
+    mode: str,
+    embedder: object = None,
+    *,
+    storage_dtype: Any = None,
+    part: int = 512,
+) -> Any:
+    """The store at ``path`` holding ``documents`` (id -> text, metadata), one chunk each, encoded for ``mode``.
+
+    Created on first use (chunk size above the longest document) or loaded; documents it lacks are
+    added ``part`` at a time, each part saved, so an interrupted build resumes.
+    """
+    from pc_rag.store.document_store import DocumentStore
+    from pc_rag.store.manifest import MANIFEST_NAME
+
+    if (path / MANIFEST_NAME).is_file():
+        store = DocumentStore.load(path, engine, embedder=embedder)
+    else:
+        longest = max(len(engine.tokenize(text)) for text, _ in documents.values())
+        extra = {} if storage_dtype is None else {"storage_dtype": storage_dtype}
+        store = DocumentStore.create(
+            path, engine, embedder=embedder, chunk_tokens=longest + 16, overlap_tokens=0, mode=mode, **extra
+        )
+    missing = [d for d in documents if d not in store.manifest.docs]
+    for i in range(0, len(missing), part):
+        ids = missing[i : i + part]
+        store.add_documents([documents[d] for d in ids], ids=ids)
+    return store
 
 
 def open_setting(order: str) -> str:

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from pc_rag.errors import PCRagError
-from pc_rag.eval.contexts import passage_id, passage_text
+from pc_rag.eval.contexts import passage_id, passage_text, pooled_store
 from pc_rag.eval.datasets import Example
 from pc_rag.rag.engine import Chunk, RagEngine
 
@@ -64,6 +64,7 @@ class PairSource:
         self.engine, self.examples, self.variants, self.val_from, self.k = engine, list(examples), variants, val_from, k
         self.directory, self.embedder, self.storage_dtype = Path(directory), embedder, storage_dtype
         self._stores: dict[str, object] = {}
+        self._retrieved: dict[str, list[str]] = {}
 
     def pairs(self) -> Iterator[Pair]:
         """Pairs variant by variant (every example of the first variant, then the next), building stores as needed.
@@ -87,9 +88,9 @@ class PairSource:
             if variant == "closed-shuffled":
                 random.Random(key).shuffle(ids)
             return Pair(key, split, "closed", tuple(ids), example.question)
-        store = self._store("open")
-        handles = store.search(example.question, self.k)
-        ids = [h.doc_id for h in handles]
+        if example.id not in self._retrieved:  # the same search for every open variant and every pass
+            self._retrieved[example.id] = [h.doc_id for h in self._store("open").search(example.question, self.k)]
+        ids = list(self._retrieved[example.id])
         if variant == "open-best-last":
             ids.reverse()
         return Pair(key, split, "open", tuple(ids), example.question)
@@ -99,27 +100,14 @@ class PairSource:
 
     def _store(self, kind: str):
         if kind not in self._stores:
-            from pc_rag.store.document_store import DocumentStore
-            from pc_rag.store.manifest import MANIFEST_NAME
-
             if kind == "closed":
-                docs = {_closed_id(t): t for ex in self.examples for t in self._closed_texts(ex)}
+                docs = {_closed_id(t): (t, {}) for ex in self.examples for t in self._closed_texts(ex)}
             else:
-                docs = {passage_id(p): passage_text(p) for ex in self.examples for p in ex.passages}
-            path = self.directory / f"{kind}-store"
-            if (path / MANIFEST_NAME).is_file():
-                store = DocumentStore.load(path, self.engine, embedder=self.embedder)
-            else:
-                longest = max(len(self.engine.tokenize(t)) for t in docs.values())
-                store = DocumentStore.create(
-                    path, self.engine, embedder=self.embedder, chunk_tokens=longest + 16, overlap_tokens=0,
-                    mode="prefix", storage_dtype=self.storage_dtype,
-                )  # fmt: skip
-            missing = [d for d in docs if d not in store.manifest.docs]
-            for i in range(0, len(missing), _BUILD_PART):
-                part = missing[i : i + _BUILD_PART]
-                store.add_documents([docs[d] for d in part], ids=part)
-            self._stores[kind] = store
+                docs = {passage_id(p): (passage_text(p), {}) for ex in self.examples for p in ex.passages}
+            self._stores[kind] = pooled_store(
+                self.directory / f"{kind}-store", self.engine, docs, "prefix", self.embedder,
+                storage_dtype=self.storage_dtype, part=_BUILD_PART,
+            )  # fmt: skip
         return self._stores[kind]
 
 
