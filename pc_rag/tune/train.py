@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import math
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 
@@ -159,51 +159,53 @@ def train_adapter(
     for p in frozen:
         p.requires_grad_(False)
     report = TrainReport()
-    best_state = {k: v.detach().clone() for k, v in adapter.state_dict().items()}
-    order = list(train_pairs)
-    rng = random.Random(config.seed)
+    best_state: dict[str, torch.Tensor] = {}
+
+    def checkpoint(seen: int) -> bool:
+        """Validate; keep the adapter if it is the best so far. Returns whether it was."""
+        nonlocal best_state
+        result = validate(engine, adapter, val_pairs, chunks, teacher, seen)
+        report.history.append(result)
+        if report.best is not None and result.mean_kl >= report.best.mean_kl:
+            return False
+        report.best, best_state = result, {k: v.detach().clone() for k, v in adapter.state_dict().items()}
+        return True
+
     seen, stale = 0, 0
     try:
-        report.best = validate(engine, adapter, val_pairs, chunks, teacher)
-        report.history.append(report.best)
+        checkpoint(0)  # B starts at zero: this is the adapter-free baseline
         logger.info("baseline (no adapter): first KL %.4f, mean KL %.4f", report.best.first_kl, report.best.mean_kl)
-        bar = tqdm(total=config.epochs * len(order), desc="tune", unit="pair", disable=not progress)
-        for _ in range(config.epochs):
-            rng.shuffle(order)
-            for pair in order:
-                record = teacher(pair.key)
-                logp = student_logprobs(engine, adapter, chunks(pair), pair.question, record)
-                # clones: records made under inference mode cannot be saved for backward
-                loss = topk_kl(record.logp.clone(), record.index.clone(), logp).sum() / config.accumulate
-                loss.backward()
-                seen += 1
-                bar.update()
-                if seen % config.accumulate == 0:
-                    optimizer.step()
-                    optimizer.zero_grad(set_to_none=True)
-                if seen % config.eval_every == 0:
-                    result = validate(engine, adapter, val_pairs, chunks, teacher, seen)
-                    report.history.append(result)
-                    bar.set_postfix(val_kl=f"{result.mean_kl:.4f}", first=f"{result.first_kl:.4f}")
-                    if result.mean_kl < report.best.mean_kl:
-                        report.best, stale = result, 0
-                        best_state = {k: v.detach().clone() for k, v in adapter.state_dict().items()}
-                    else:
-                        stale += 1
-                    if stale >= config.patience:
-                        break
-            if stale >= config.patience:
-                break
+        bar = tqdm(total=config.epochs * len(train_pairs), desc="tune", unit="pair", disable=not progress)
+        for pair in _shuffled_epochs(train_pairs, config.epochs, random.Random(config.seed)):
+            record = teacher(pair.key)
+            logp = student_logprobs(engine, adapter, chunks(pair), pair.question, record)
+            # clones: records made under inference mode cannot be saved for backward
+            loss = topk_kl(record.logp.clone(), record.index.clone(), logp).sum() / config.accumulate
+            loss.backward()
+            seen += 1
+            bar.update()
+            if seen % config.accumulate == 0:
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+            if seen % config.eval_every == 0:
+                stale = 0 if checkpoint(seen) else stale + 1
+                bar.set_postfix(val_kl=f"{report.history[-1].mean_kl:.4f}", first=f"{report.history[-1].first_kl:.4f}")
+                if stale >= config.patience:
+                    break
         bar.close()
         if seen % config.eval_every:  # the pairs since the last validation count too
-            result = validate(engine, adapter, val_pairs, chunks, teacher, seen)
-            report.history.append(result)
-            if result.mean_kl < report.best.mean_kl:
-                report.best = result
-                best_state = {k: v.detach().clone() for k, v in adapter.state_dict().items()}
+            checkpoint(seen)
     finally:
         adapter.detach()
         for p in frozen:
             p.requires_grad_(True)
     adapter.load_state_dict(best_state)
     return adapter.requires_grad_(False), report
+
+
+def _shuffled_epochs(pairs: Sequence[Pair], epochs: int, rng: random.Random) -> Iterator[Pair]:
+    """``pairs`` ``epochs`` times, each pass in a new shuffled order."""
+    order = list(pairs)
+    for _ in range(epochs):
+        rng.shuffle(order)
+        yield from order
