@@ -120,41 +120,32 @@ def decode_tokens(
 ) -> DecodedTokens:
     """Generated token ids (EOS excluded) until EOS or ``max_new_tokens``; each step's forward runs through ``call``."""
     kept: list[torch.Tensor] = []
-    return DecodedTokens(_decode(model, cache, first_logits, next_position, params, stop_ids, call, kept), kept)
 
+    @torch.inference_mode()
+    def steps() -> Iterator[int]:
+        generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
+        device = first_logits.device
+        logits = first_logits
+        for step in range(params.max_new_tokens):
+            if step < params.keep_logits:
+                kept.append(logits)  # logits [V] given the prompt and the tokens of steps < step
+            token = sample(logits, params, generator)
+            if token in stop_ids:
+                return
+            yield token
+            if step + 1 == params.max_new_tokens:
+                return
+            out = call(
+                model,
+                input_ids=torch.tensor([[token]], device=device),
+                position_ids=torch.tensor([[next_position + step]], device=device),
+                past_key_values=cache,
+                use_cache=True,
+                logits_to_keep=1,
+            )
+            logits = out.logits[0, -1]
 
-@torch.inference_mode()
-def _decode(
-    model: PreTrainedModel,
-    cache: Cache,
-    first_logits: torch.Tensor,
-    next_position: int,
-    params: SamplingParams,
-    stop_ids: frozenset[int],
-    call: ModelCall,
-    kept: list[torch.Tensor],
-) -> Iterator[int]:
-    generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
-    device = first_logits.device
-    logits = first_logits
-    for step in range(params.max_new_tokens):
-        if step < params.keep_logits:
-            kept.append(logits)  # logits [V] given the prompt and the tokens of steps < step
-        token = sample(logits, params, generator)
-        if token in stop_ids:
-            return
-        yield token
-        if step + 1 == params.max_new_tokens:
-            return
-        out = call(
-            model,
-            input_ids=torch.tensor([[token]], device=device),
-            position_ids=torch.tensor([[next_position + step]], device=device),
-            past_key_values=cache,
-            use_cache=True,
-            logits_to_keep=1,
-        )
-        logits = out.logits[0, -1]
+    return DecodedTokens(steps(), kept)
 
 
 def stream_text(
