@@ -18,7 +18,7 @@ as JSON keyed by the model fingerprint. This module knows nothing about chunks o
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -95,13 +95,19 @@ class Segments:
     exact_rows: int = 0
     recomputed: torch.Tensor | None = None  # [R] cache indices inside [start, end) that were recomputed
 
+    _masks: dict[tuple[int, torch.device], torch.Tensor] = field(default_factory=dict, compare=False, repr=False)
+
     def stale_mask(self, total: int, device: torch.device) -> torch.Tensor:
-        """Bool [total]: True for stale chunk keys."""
-        mask = torch.zeros(total, dtype=torch.bool, device=device)
-        mask[self.start : self.end] = True
-        if self.recomputed is not None and self.recomputed.numel():
-            mask[self.recomputed.to(device)] = False
-        return mask
+        """Bool [total]: True for stale chunk keys (made once per forward, shared by its layers)."""
+        key = (total, torch.device(device))
+        if key not in self._masks:
+            mask = torch.zeros(total, dtype=torch.bool, device=device)
+            mask[self.start : self.end] = True
+            if self.recomputed is not None and self.recomputed.numel():
+                mask[self.recomputed.to(device)] = False
+            self._masks.clear()  # a decode step's keys are one longer than the last: keep only the newest
+            self._masks[key] = mask
+        return self._masks[key]
 
 
 def calibrated_attention(
