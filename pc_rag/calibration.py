@@ -122,22 +122,32 @@ def calibrated_attention(
 ) -> torch.Tensor:
     """APE attention of ``query`` rows; returns [B, Q, H, D] (transformers' attention output layout)."""
     batch, heads, q_len, dim = query.shape
-    kv_heads = key.shape[1]
-    n_rep = heads // kv_heads
-    q = query.reshape(batch, kv_heads, n_rep * q_len, dim)  # head h = g * n_rep + r shares KV head g
-    scores = (q @ key.transpose(-1, -2)).float() * scaling  # [B, H_kv, n_rep*Q, S]
-    allowed = (
-        allowed.expand(batch, 1, q_len, -1)[:, :, None]
-        .expand(-1, -1, n_rep, -1, -1)
-        .reshape(batch, 1, n_rep * q_len, -1)
-    )
+    scores, allowed = packed_scores(query, key, scaling, allowed)
     in_chunks = allowed & stale
     chunk_scores = (scores / temperature).masked_fill(~in_chunks, float("-inf"))
     lse = torch.logsumexp(chunk_scores, dim=-1, keepdim=True)  # -inf where a row sees no stale key
     shift = torch.where(torch.isfinite(lse), (scale * temperature - 1) * lse, torch.zeros_like(lse))
-    adjusted = torch.where(in_chunks, chunk_scores + shift, scores).masked_fill(~allowed, float("-inf"))
+    adjusted = torch.where(in_chunks, chunk_scores + shift, scores)  # scores are -inf where not allowed
     out = torch.softmax(adjusted, dim=-1).to(value.dtype) @ value  # [B, H_kv, n_rep*Q, D]
     return out.reshape(batch, heads, q_len, dim).transpose(1, 2).contiguous()
+
+
+def packed_scores(
+    query: torch.Tensor,  # [B, H, Q, D]
+    key: torch.Tensor,  # [B, H_kv, S, D]
+    scaling: float,
+    allowed: torch.Tensor,  # [B or 1, 1, Q, S] bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Float scores [B, H_kv, n_rep*Q, S] of the query heads folded per KV head (row r * Q + q is query q of
+    head g * n_rep + r), -inf where not ``allowed``, and ``allowed`` packed the same way [B, 1, n_rep*Q, S]."""
+    batch, heads, q_len, dim = query.shape
+    kv_heads = key.shape[1]
+    n_rep = heads // kv_heads
+    q = query.reshape(batch, kv_heads, n_rep * q_len, dim)
+    allowed = allowed.expand(batch, 1, q_len, -1)[:, :, None].expand(-1, -1, n_rep, -1, -1)
+    allowed = allowed.reshape(batch, 1, n_rep * q_len, -1)
+    scores = (q @ key.transpose(-1, -2)).float() * scaling
+    return scores.masked_fill(~allowed, float("-inf")), allowed
 
 
 def trailing_rows_mask(rows: int, keys: int, device: torch.device, window: int | None = None) -> torch.Tensor:

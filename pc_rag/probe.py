@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from pc_rag.calibration import trailing_rows_mask
+from pc_rag.calibration import packed_scores, trailing_rows_mask
 
 KWARG = "pc_rag_probe"
 
@@ -32,13 +32,8 @@ class AttentionProbe:
     ) -> None:
         """Score the cached keys with ``query`` [B, H, Q, D] (the question, whose keys are the last Q of ``key``
         [B, H_kv, S, D]); stop after the last probed layer."""
-        batch, heads, q_len, dim = query.shape
-        kv_heads = key.shape[1]
-        n_rep = heads // kv_heads
-        q = query.reshape(batch, kv_heads, n_rep * q_len, dim)  # the row r * Q + q of the packed heads
-        logits = (q @ key.transpose(-1, -2)).float() * scaling  # [B, H_kv, n_rep*Q, S]
-        allowed = trailing_rows_mask(q_len, key.shape[2], key.device, window).repeat(1, 1, n_rep, 1)
-        logits = logits.masked_fill(~allowed, float("-inf"))
+        allowed = trailing_rows_mask(query.shape[2], key.shape[2], key.device, window)
+        logits, _ = packed_scores(query, key, scaling, allowed)  # [B, H_kv, n_rep*Q, S]
         mass = logits.softmax(-1)[..., : self.cached].sum((0, 1, 2))  # [cached]
         self.scores = mass if self.scores is None else self.scores + mass
         if layer + 1 >= self.layers:
