@@ -60,6 +60,24 @@ def test_applied_equals_merged_weights(adapted) -> None:
     assert torch.allclose(hooked, merged, atol=1e-4, rtol=1e-4)
 
 
+def test_merged_attach_equals_hooks_and_detaches_cleanly(adapted) -> None:
+    lm, adapter = adapted
+    base = logits(lm, IDS)
+    with adapter.applied():
+        hooked = logits(lm, IDS)
+    adapter.detach()
+    adapter.attach(merged=True)
+    assert not adapter._hooks  # serving runs the folded weights, not the low-rank hooks
+    assert torch.equal(logits(lm, IDS), base)
+    with adapter.applied():
+        assert torch.allclose(logits(lm, IDS), hooked, atol=1e-4, rtol=1e-4)
+    adapter.detach()
+    assert all("forward" not in m.__dict__ for m in lm.model.modules())
+    with adapter.applied():
+        assert torch.equal(logits(lm, IDS), base)
+    adapter.attach()
+
+
 def test_applied_is_per_thread(adapted) -> None:
     lm, adapter = adapted
     base = logits(lm, IDS)

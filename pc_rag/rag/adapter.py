@@ -4,8 +4,10 @@ Chunks encoded separately never attended to each other. A splice adapter is a se
 of LoRA pairs ``(A, B)`` on chosen linear layers of every decoder layer (``q_proj``
 and ``o_proj`` by default) that adds ``scale * B(A(x))`` to their output, trained
 by self-distillation so that a question computed over spliced chunk KV behaves as
-after a full prefill. It is attached to a model with forward hooks (the model's
-weights and parameter names are untouched) and acts only inside ``applied()``:
+after a full prefill. It is attached to a model with forward hooks, or for serving a frozen
+adapter with each pair folded once into a copy of its layer's weight, so an adapted call costs what
+a plain one does (the model's own weights and parameter names are untouched either way). It acts
+only inside ``applied()``:
 chunk encoding and full prefill never see it, so stored chunk KV stays valid.
 ``applied()`` sets a context variable for the calling thread only (and names the adapter, so two
 adapters hooked into one model never act together); wrap each model call in it, never a generator's
@@ -27,6 +29,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import nn
@@ -78,19 +81,44 @@ class SpliceAdapter(nn.Module):
             b = torch.zeros(linear.out_features, config.rank, dtype=ref.dtype, device=ref.device)
             self.lora_b[key] = nn.Parameter(b)
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
+        self._merged: list[nn.Linear] = []
 
-    def attach(self) -> SpliceAdapter:
-        """Hook the pairs into the model (idempotent); they act only inside ``applied()``."""
-        if not self._hooks:
+    def attach(self, *, merged: bool = False) -> SpliceAdapter:
+        """Hook the pairs into the model (idempotent); they act only inside ``applied()``.
+
+        ``merged``: fold each pair into a copy of its layer's weight now, for serving a frozen adapter at the
+        plain layer's cost; later changes to the pairs are not seen. Training needs the unmerged hooks.
+        """
+        if not self._hooks and not self._merged:
             for name, linear in self._targets.items():
-                self._hooks.append(linear.register_forward_hook(self._hook(_key(name))))
+                if merged:
+                    self._merge_into(linear, _key(name))
+                else:
+                    self._hooks.append(linear.register_forward_hook(self._hook(_key(name))))
         return self
 
     def detach(self) -> None:
-        """Remove the hooks: the model is exactly as before ``attach``."""
+        """Remove the hooks or merged weights: the model is exactly as before ``attach``."""
         for hook in self._hooks:
             hook.remove()
         self._hooks.clear()
+        for linear in self._merged:
+            del linear.forward  # the instance attribute set by _merge_into; the class's forward shows again
+        self._merged.clear()
+
+    def _merge_into(self, linear: nn.Linear, key: str) -> None:
+        with torch.no_grad():
+            delta = self.lora_b[key].float() @ self.lora_a[key].float() * self.config.scale
+            weight = (linear.weight.float() + delta).to(linear.weight.dtype)
+        plain = linear.forward
+
+        def forward(x: torch.Tensor) -> torch.Tensor:
+            if _APPLIED.get() is not self:
+                return plain(x)
+            return F.linear(x, weight, linear.bias)
+
+        linear.forward = forward
+        self._merged.append(linear)
 
     def _hook(self, key: str):
         a, b, scale = self.lora_a[key], self.lora_b[key], self.config.scale

@@ -44,7 +44,8 @@ class Tuned:
         self._fingerprint: str | None = None
 
     def use(self, adapter: SpliceAdapter | None = None, calibration: Calibration | None = None) -> None:
-        """Serve with these instead of looking them up (the adapter is attached to the model)."""
+        """Serve with these instead of looking them up (the adapter is attached to the model as hooks, so
+        it may still be trained; a looked-up adapter is frozen and merged)."""
         with self._lock:
             if adapter is not None:
                 if self._adapter is not None and self._adapter is not adapter:
@@ -57,7 +58,8 @@ class Tuned:
         with self._lock:
             if self._adapter is None:
                 path = self._find(adapter_file(self.fingerprint()), "splice adapter")
-                self._adapter = SpliceAdapter.load(path, self.lm.model, self.fingerprint()).attach()
+                adapter = SpliceAdapter.load(path, self.lm.model, self.fingerprint())
+                self._adapter = adapter.attach(merged=True)
             return self._adapter
 
     def calibration(self) -> Calibration:
