@@ -19,6 +19,7 @@ from typing import NamedTuple
 
 from tqdm import tqdm
 
+from pc_rag.errors import PCRagError
 from pc_rag.generate import GenerationResult
 from pc_rag.rag.engine import Chunk, RagEngine
 from pc_rag.sample import sample_questions
@@ -89,8 +90,9 @@ def measure(peer: str, tokens: int, timed: Timed, runs: int) -> PeerRow:
     return PeerRow(peer, tokens, ttft, speed, note, reply.tokens)
 
 
-def engine_peers(engine: RagEngine, work: Workload) -> dict[str, Timed]:
-    """Our cached path (default recovery and plain splicing), prefix caching and full prefill, one runtime."""
+def engine_peers(engine: RagEngine, work: Workload) -> dict[str, Timed | str]:
+    """Our cached path (default recovery, fast and plain splicing), prefix caching and full prefill, one runtime;
+    ``fast`` is the reason it cannot run when the model has no splice adapter."""
 
     def answer(mode: str) -> Timed:
         def run(n: int) -> Reply:
@@ -108,10 +110,19 @@ def engine_peers(engine: RagEngine, work: Workload) -> dict[str, Timed]:
 
     return {
         "pc-rag cached, default recovery": answer("default"),
+        "pc-rag cached, fast (splice adapter, no recompute)": _with_adapter(engine, answer("fast")),
         "pc-rag cached, naive splice": answer("naive"),
         "prefix caching (preamble cached, documents computed)": full(True),
         "full prefill (transformers, same runtime)": full(False),
     }
+
+
+def _with_adapter(engine: RagEngine, peer: Timed) -> Timed | str:
+    try:
+        engine.tuned.adapter()
+    except PCRagError as e:
+        return str(e)
+    return peer
 
 
 def _engine_reply(result: GenerationResult) -> Reply:
@@ -205,7 +216,7 @@ def run_peers(
     with tqdm(desc="peers", unit="peer", disable=not progress) as bar:
         for target in lengths:
             work = build_workload(engine, target)
-            peers: dict[str, Timed | str] = dict(engine_peers(engine, work))
+            peers = engine_peers(engine, work)
             peers["LangChain HuggingFacePipeline"] = huggingface_pipeline_peer(engine, work)
             peers.update(llama_cpp_peers(gguf, work))
             peers["KVBoost (chunk KV reuse, warm)"] = kvboost_peer(engine, work)
