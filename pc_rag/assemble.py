@@ -28,7 +28,10 @@ def splice(buffer: KVBuffer, rope: RopeSpec, parts: Sequence[tuple[SpanKV, int]]
         end = offset + kv.length
         keys = kv.keys.to(buffer.keys.device, buffer.keys.dtype, non_blocking=True)
         values = kv.values.to(buffer.values.device, buffer.values.dtype, non_blocking=True)
-        buffer.keys[:, 0, :, offset:end] = rope.rotate_all(keys, delta) if delta else keys
+        if delta:
+            rope.rotate_into(buffer.keys[:, 0, :, offset:end], keys, delta)
+        else:
+            buffer.keys[:, 0, :, offset:end] = keys
         buffer.values[:, 0, :, offset:end] = values
         offset = end
     return offset

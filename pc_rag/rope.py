@@ -62,11 +62,18 @@ class RopeSpec:
         if delta == 0 if isinstance(delta, int) else bool((delta == 0).all()):
             return keys
         out = torch.empty_like(keys)
-        for table_index, table in enumerate(self.inv_freq):
-            layers = [i for i, t in enumerate(self.layer_freq) if t == table_index]
-            idx = torch.tensor(layers, device=keys.device)
-            out[idx] = rotate_keys(keys[idx], delta, table)
+        self.rotate_into(out, keys, delta)
         return out
+
+    def rotate_into(self, out: torch.Tensor, keys: torch.Tensor, delta: int | torch.Tensor) -> None:
+        """Write stacked keys [L, ..., S, D] rotated by ``delta`` into ``out`` (same shape, e.g. a view of a cache
+        buffer), in one pass when every layer shares a frequency table."""
+        if len(self.inv_freq) == 1:
+            rotate_keys_into(out, keys, delta, self.inv_freq[0])
+            return
+        for table_index, table in enumerate(self.inv_freq):
+            idx = torch.tensor([i for i, t in enumerate(self.layer_freq) if t == table_index], device=keys.device)
+            out[idx] = rotate_keys(keys[idx], delta, table)
 
 
 def rotate_keys(keys: torch.Tensor, delta: int | torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
@@ -84,6 +91,24 @@ def rotate_keys(keys: torch.Tensor, delta: int | torch.Tensor, inv_freq: torch.T
     half = rotary_dim // 2
     rotated_half = torch.cat((-k_rot[..., half:], k_rot[..., :half]), dim=-1)
     return torch.cat((k_rot * cos + rotated_half * sin, k_pass), dim=-1)
+
+
+def rotate_keys_into(out: torch.Tensor, keys: torch.Tensor, delta: int | torch.Tensor, inv_freq: torch.Tensor) -> None:
+    """``out[...] = rotate_keys(keys, delta, inv_freq)`` without temporaries the size of ``keys`` (``out`` must not
+    overlap ``keys``)."""
+    half = inv_freq.shape[0]
+    rotary_dim = 2 * half
+    delta_t = torch.as_tensor(delta, dtype=torch.float64, device=keys.device).reshape(-1, 1)
+    angles = delta_t * inv_freq.to(device=keys.device, dtype=torch.float64)  # [S or 1, R/2]
+    cos, sin = angles.cos().to(keys.dtype), angles.sin().to(keys.dtype)
+    k1, k2 = keys[..., :half], keys[..., half:rotary_dim]
+    o1, o2 = out[..., :half], out[..., half:rotary_dim]
+    torch.mul(k1, cos, out=o1)
+    o1.addcmul_(k2, sin, value=-1)  # k1 cos - k2 sin
+    torch.mul(k2, cos, out=o2)
+    o2.addcmul_(k1, sin)  # k2 cos + k1 sin
+    if rotary_dim < keys.shape[-1]:
+        out[..., rotary_dim:] = keys[..., rotary_dim:]
 
 
 def rope_spec_for(model: PreTrainedModel) -> RopeSpec:

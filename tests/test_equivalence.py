@@ -89,6 +89,17 @@ def test_rerotated_module_equals_direct_encoding(tiny_lm: LoadedModel, delta: in
     assert_close(moved.values, at_moved.values, rel=1e-5)
 
 
+@pytest.mark.parametrize("rotary_dim", [8, 12])  # full and partial rotary (Phi-3 style) of 8- or 12-wide heads
+@pytest.mark.parametrize("delta", [5, torch.tensor([1, -3, 700])])
+def test_rotation_into_a_buffer_equals_rotation(rotary_dim: int, delta: int | torch.Tensor) -> None:
+    from pc_rag.rope import rotate_keys, rotate_keys_into
+
+    keys, inv_freq = torch.randn(2, 3, 3, 12), 1.0 / 10000 ** (torch.arange(rotary_dim // 2) / (rotary_dim // 2))
+    out = torch.full((2, 3, 5, 12), float("nan"))[:, :, 1:4]  # a strided view, as a cache buffer's slice is
+    rotate_keys_into(out, keys, delta, inv_freq)
+    assert torch.allclose(out, rotate_keys(keys, delta, inv_freq), atol=1e-6)
+
+
 def test_positions_follow_schema(tokenizer) -> None:
     from pc_rag.layout import layout_schema
 
