@@ -40,6 +40,9 @@ def test_levers_parse() -> None:
     mode = resolve_mode("query:0.05+adapter+ape")
     assert (mode.selection, mode.ratio, mode.adapter, mode.calibrated) == ("query", 0.05, True, True)
     assert resolve_mode("fast").adapter and not resolve_mode("prefix").adapter
+    question_only = resolve_mode("selective:0.2+adapter-question")
+    assert question_only.adapter and question_only.adapter_skips_recomputed
+    assert not resolve_mode("selective:0.2+adapter").adapter_skips_recomputed
     with pytest.raises(PCRagError, match=r"\+adapter"):
         resolve_mode("prefix+turbo")
 
@@ -56,7 +59,7 @@ def test_recomputing_every_chunk_token_equals_full_prefill(engine, mode: str) ->
 def test_calibration_and_adapter_change_the_spliced_answer_only_when_asked(engine) -> None:
     chunks = engine.encode(TEXTS, "prefix")
     plain = engine.answer(chunks, QUESTION, "prefix", max_new_tokens=3, reference_ids=[5, 6])
-    for mode in ("prefix+ape", "fast", "prefix+adapter+ape"):
+    for mode in ("prefix+ape", "fast", "prefix+adapter+ape", "prefix+adapter-question"):
         other = engine.answer(chunks, QUESTION, mode, max_new_tokens=3, reference_ids=[5, 6])
         assert not close(other.step_logits, plain.step_logits), mode
     again = engine.answer(chunks, QUESTION, "prefix", max_new_tokens=3, reference_ids=[5, 6])

@@ -78,6 +78,26 @@ def test_merged_attach_equals_hooks_and_detaches_cleanly(adapted) -> None:
     adapter.attach()
 
 
+@pytest.mark.parametrize("merged", [False, True])
+def test_skipped_rows_run_as_the_plain_model(adapted, merged: bool) -> None:
+    """Skipping the first n rows of a call equals a plain call for them, then an adapted call after their cache."""
+    lm, adapter = adapted
+    if merged:
+        adapter.detach()
+        adapter.attach(merged=True)
+    n = 3
+    with torch.no_grad():
+        plain = lm.model(input_ids=torch.tensor([IDS[:n]]), use_cache=True)
+        with adapter.applied():
+            after = lm.model(input_ids=torch.tensor([IDS[n:]]), past_key_values=plain.past_key_values).logits[0]
+        with adapter.applied(skip_rows=n):
+            skipped = logits(lm, IDS)
+    assert torch.allclose(skipped[:n], plain.logits[0], atol=1e-5)
+    assert torch.allclose(skipped[n:], after, atol=1e-4, rtol=1e-4)
+    with adapter.applied():
+        assert not torch.allclose(logits(lm, IDS)[:n], skipped[:n], atol=1e-3)
+
+
 def test_applied_is_per_thread(adapted) -> None:
     lm, adapter = adapted
     base = logits(lm, IDS)

@@ -37,7 +37,10 @@ from transformers import PreTrainedModel
 
 from pc_rag.errors import PCRagError
 
-_APPLIED: contextvars.ContextVar[object] = contextvars.ContextVar("pc_rag_splice_adapter", default=None)
+# (adapter, rows left unadapted at the start of each call's sequence) while ``applied()``
+_APPLIED: contextvars.ContextVar[tuple[object, int] | None] = contextvars.ContextVar(
+    "pc_rag_splice_adapter", default=None
+)
 FORMAT = "pc-rag-splice-adapter/1"
 
 
@@ -113,9 +116,12 @@ class SpliceAdapter(nn.Module):
         plain = linear.forward
 
         def forward(x: torch.Tensor) -> torch.Tensor:
-            if _APPLIED.get() is not self:
+            skip = self._skipped_rows()
+            if skip is None:
                 return plain(x)
-            return F.linear(x, weight, linear.bias)
+            if not skip:
+                return F.linear(x, weight, linear.bias)
+            return torch.cat((plain(x[:, :skip]), F.linear(x[:, skip:], weight, linear.bias)), dim=1)
 
         linear.forward = forward
         self._merged.append(linear)
@@ -124,10 +130,12 @@ class SpliceAdapter(nn.Module):
         a, b, scale = self.lora_a[key], self.lora_b[key], self.config.scale
 
         def add_low_rank(module: nn.Module, inputs: tuple[torch.Tensor, ...], output: torch.Tensor) -> torch.Tensor:
-            if _APPLIED.get() is not self:  # off, or another adapter of the same model is applied
+            skip = self._skipped_rows()
+            if skip is None:
                 return output
-            x = inputs[0]  # [B, Q, in]
-            return output + (x @ a.to(x.dtype).T) @ (b.to(x.dtype).T * scale)
+            x = inputs[0][:, skip:]  # [B, Q - skip, in]
+            delta = (x @ a.to(x.dtype).T) @ (b.to(x.dtype).T * scale)
+            return output + delta if not skip else torch.cat((output[:, :skip], output[:, skip:] + delta), dim=1)
 
         return add_low_rank
 
@@ -181,13 +189,20 @@ class SpliceAdapter(nn.Module):
         return adapter.requires_grad_(False)
 
     @contextmanager
-    def applied(self) -> Iterator[None]:
-        """Turn the pairs on for model calls made by this thread inside the block."""
-        token = _APPLIED.set(self)
+    def applied(self, skip_rows: int = 0) -> Iterator[None]:
+        """Turn the pairs on for model calls made by this thread inside the block, except on the first
+        ``skip_rows`` tokens of each call (recomputed chunk tokens that should run as the plain model)."""
+        token = _APPLIED.set((self, skip_rows))
         try:
             yield
         finally:
             _APPLIED.reset(token)
+
+    def _skipped_rows(self) -> int | None:
+        """Rows left plain in the current call when this adapter is applied, else None (off, or another
+        adapter of the same model is applied)."""
+        state = _APPLIED.get()
+        return state[1] if state is not None and state[0] is self else None
 
 
 def _target_modules(model: PreTrainedModel, targets: Sequence[str]) -> dict[str, nn.Linear]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, replace
+from functools import partial
 
 import torch
 from transformers import PreTrainedModel
@@ -327,8 +328,8 @@ class _QueryCalls:
     """The model calls of one request's query-time tokens under ``mode``: adapter applied, attention calibrated."""
 
     def __init__(self, tuned: Tuned, mode: RecoveryMode, head: int, total: int) -> None:
-        adapter = tuned.adapter() if mode.adapter else None
-        self._context = adapter.applied if adapter is not None else nullcontext
+        self._adapter = tuned.adapter() if mode.adapter else None
+        self._skips_recomputed = mode.adapter_skips_recomputed
         self._calibration = tuned.calibration() if mode.calibrated else None
         self._chunks = (head, total)  # cache indices [head, total) hold the spliced chunks
 
@@ -341,11 +342,14 @@ class _QueryCalls:
         return self._call(recomputed, exact_rows=0)
 
     def _call(self, recomputed: Sequence[int], exact_rows: int) -> ModelCall:
+        context = nullcontext
+        if self._adapter is not None:  # the recomputed rows lead the call: skip them if the mode says so
+            context = partial(self._adapter.applied, exact_rows if self._skips_recomputed else 0)
         if self._calibration is None or self._calibration.is_identity:
-            return ModelCall(context=self._context)
+            return ModelCall(context=context)
         index = torch.as_tensor(list(recomputed), dtype=torch.long)
         segments = Segments(*self._chunks, self._calibration, exact_rows, index)
-        return ModelCall({SEGMENTS: segments}, self._context)
+        return ModelCall({SEGMENTS: segments}, context)
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,9 @@ class RecoveryMode:
     ``"deviation"``, the largest value deviation at layer ``probe_layer`` (CacheBlend), or ``"query"``, the
     most attention from the question over the stale cache in the first ``query_layers`` layers, widened by
     ``window`` tokens on each side (ProphetKV). ``adapter``: apply the model's splice adapter to the tokens
-    computed at query time. ``calibrated``: APE-calibrate their attention to stale chunk keys."""
+    computed at query time, or with ``adapter_skips_recomputed`` only to the question and generated tokens
+    (recomputed chunk tokens then run as the plain model). ``calibrated``: APE-calibrate their attention to
+    stale chunk keys."""
 
     name: str
     conditioned: bool = True
@@ -31,6 +33,7 @@ class RecoveryMode:
     query_layers: int = 2
     window: int = 0
     adapter: bool = False
+    adapter_skips_recomputed: bool = False
     calibrated: bool = False
 
     @property
@@ -51,25 +54,31 @@ MODES["default"] = RecoveryMode("default", ratio=0.25)  # selective:0.25: the ch
 # KL to full prefill near 0.05 in our measurements (README, speed-quality curve)
 
 _BUDGETED = {"edge": "edge", "selective": "ratio", "hybrid": "ratio", "query": "ratio"}  # base -> budget field
-_LEVERS = {"adapter": "adapter", "ape": "calibrated"}  # "+name" suffix -> the flag it sets
+_LEVERS = {  # "+name" suffix -> the fields it sets
+    "adapter": {"adapter": True},
+    "adapter-question": {"adapter": True, "adapter_skips_recomputed": True},
+    "ape": {"calibrated": True},
+}
 
 
 def resolve_mode(spec: str | RecoveryMode) -> RecoveryMode:
     """A mode by name (``MODES``) or ``base:budget``: ``edge:32`` (tokens per chunk), ``selective:0.25``,
     ``hybrid:0.2`` or ``query:0.1`` (share of chunk tokens recomputed; hybrid adds its edge tokens), each
-    optionally followed by levers: ``+adapter`` (splice adapter), ``+ape`` (attention calibration),
-    e.g. ``prefix+adapter+ape`` or ``query:0.05+adapter``."""
+    optionally followed by levers: ``+adapter`` (splice adapter), ``+adapter-question`` (the adapter on the
+    question and answer only, not on recomputed chunk tokens), ``+ape`` (attention calibration), e.g.
+    ``prefix+adapter+ape`` or ``query:0.05+adapter``."""
     if isinstance(spec, RecoveryMode):
         return spec
     base_spec, *levers = spec.split("+")
     mode = _base_mode(base_spec)
     if mode is None or any(lever not in _LEVERS for lever in levers):
         known = ", ".join([*MODES, "edge:<tokens>", "selective:<share>", "hybrid:<share>", "query:<share>"])
-        msg = f"unknown recovery mode {spec!r}; known: {known}, each optionally with +adapter and/or +ape"
+        levers_known = " and/or ".join(f"+{lever}" for lever in _LEVERS)
+        msg = f"unknown recovery mode {spec!r}; known: {known}, each optionally with {levers_known}"
         raise PCRagError(msg)
     if not levers:
         return mode
-    return replace(mode, name=spec, **{_LEVERS[lever]: True for lever in levers})
+    return replace(mode, name=spec, **{k: v for lever in levers for k, v in _LEVERS[lever].items()})
 
 
 def _base_mode(spec: str) -> RecoveryMode | None:
