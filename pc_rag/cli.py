@@ -274,9 +274,25 @@ def _add_tune_parser(commands: argparse._SubParsersAction) -> None:
     tune.add_argument("--eval-every", type=int, default=400, help="pairs between validations (default 400)")
     tune.add_argument("--patience", type=int, default=3, help="validations without improvement to stop (default 3)")
     tune.add_argument(
+        "--recompute", default="0", metavar="R1,R2,...",
+        help="shares of chunk tokens the student recomputes first, as selective:<share> serves with "
+        "+adapter-question; pairs cycle through them (default 0: the prefix path only)",
+    )  # fmt: skip
+    tune.add_argument(
         "--calibrate", default=None, metavar="T1,...:S1,...",
         help="then fit APE's temperature and scale on this grid, with the adapter (e.g. 0.9,1:1,1.1)",
     )  # fmt: skip
+
+
+def _shares(text: str) -> tuple[float, ...]:
+    try:
+        shares = tuple(float(x) for x in text.split(","))
+    except ValueError:
+        shares = ()
+    if not shares or any(not 0 <= x <= 1 for x in shares):
+        msg = f"--recompute takes comma-separated shares between 0 and 1, got {text!r}"
+        raise PCRagError(msg)
+    return shares
 
 
 def _run_tune(args: argparse.Namespace, lm: object) -> int:
@@ -292,8 +308,9 @@ def _run_tune(args: argparse.Namespace, lm: object) -> int:
     variants = tuple(v.strip() for v in args.variants.split(",")) if args.variants else VARIANTS
     adapter_config = AdapterConfig(args.rank, args.alpha, tuple(t.strip() for t in args.targets.split(",")))
     train_config = TrainConfig(
-        epochs=args.epochs, lr=args.lr, accumulate=args.accumulate, eval_every=args.eval_every, patience=args.patience
-    )
+        epochs=args.epochs, lr=args.lr, accumulate=args.accumulate, eval_every=args.eval_every, patience=args.patience,
+        recompute=_shares(args.recompute),
+    )  # fmt: skip
     out = args.out or tuned_dirs()[0] / adapter_file(lm.fingerprint())
     grid = _calibration_grid(args.calibrate) if args.calibrate else None
     summary = tune(

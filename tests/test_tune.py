@@ -61,6 +61,19 @@ def test_student_without_adapter_is_the_prefix_serving_path(engine, chunks) -> N
     assert torch.allclose(logp[0], torch.log_softmax(served.first_logits, -1), atol=1e-4)
 
 
+@pytest.mark.parametrize("share", [0.3, 1.0])
+def test_recomputing_student_is_the_selective_serving_path(engine, chunks, share: float) -> None:
+    record = teach(engine, chunks, QUESTIONS[0], "k", steps=3, top=8)
+    served = engine.answer(chunks, QUESTIONS[0], f"selective:{share}", max_new_tokens=1)
+    logp = student_logprobs(engine, None, chunks, QUESTIONS[0], record, recompute=share)
+    assert torch.allclose(logp[0], torch.log_softmax(served.first_logits, -1), atol=1e-4)
+    if share == 1.0:  # every chunk token recomputed: the teacher's own distributions, at every step
+        full = torch.log_softmax(
+            engine.answer_full(chunks, QUESTIONS[0], max_new_tokens=3, keep_logits=3).step_logits, -1
+        )
+        assert torch.allclose(logp.gather(-1, record.index), full[: record.steps].gather(-1, record.index), atol=1e-4)
+
+
 def test_teacher_set_resumes_and_refuses_unknown_keys(engine, chunks, tmp_path) -> None:
     records = [teach(engine, chunks, q, f"ex{i}/closed", steps=3, top=8) for i, q in enumerate(QUESTIONS)]
     teacher = TeacherSet(tmp_path)
@@ -84,7 +97,7 @@ def test_training_lowers_kl_to_full_prefill(engine, chunks) -> None:
             pairs.append(Pair(key, "train", "closed", tuple(map(str, order)), question))
             records[key] = teach(engine, [chunks[o] for o in order], question, key, steps=4, top=64)
     by_id = {str(i): c for i, c in enumerate(chunks)}
-    config = TrainConfig(epochs=6, lr=5e-3, accumulate=3, eval_every=9, patience=10)
+    config = TrainConfig(epochs=6, lr=5e-3, accumulate=3, eval_every=9, patience=10, recompute=(0.0, 0.2))
     adapter, report = train_adapter(
         engine, pairs, pairs, lambda p: [by_id[d] for d in p.doc_ids], records.__getitem__,
         AdapterConfig(rank=4), config, progress=False,
@@ -93,3 +106,12 @@ def test_training_lowers_kl_to_full_prefill(engine, chunks) -> None:
     assert report.best is not None and report.best.mean_kl < 0.5 * baseline.mean_kl, report.history
     assert not adapter._hooks and not any(p.requires_grad for p in adapter.parameters())
     assert all(p.requires_grad for p in engine.lm.model.parameters())  # the shared model is left as it was
+
+
+def test_recompute_shares_are_parsed_or_refused() -> None:
+    from pc_rag.cli import _shares
+
+    assert _shares("0,0.1,0.2") == (0.0, 0.1, 0.2)
+    for bad in ("", "0,x", "1.5", "-0.1"):
+        with pytest.raises(PCRagError, match="--recompute"):
+            _shares(bad)

@@ -6,7 +6,11 @@ are computed, with the adapter applied, and only they carry gradients. The loss 
 KL(teacher || student) summed over the teacher's answer steps, with the teacher's
 top-k tokens and the remaining mass as one bucket. No labels are used. The best
 adapter on the validation pairs (mean KL over the steps) is kept, and training stops
-when it has not improved for ``patience`` evaluations. With gradients on, the
+when it has not improved for ``patience`` evaluations. With ``recompute`` shares the
+student may also be a recompute mode's serving path (``selective:<share>+adapter-question``): the
+chunk tokens whose values deviate most are recomputed first by the plain model (no gradients, as
+serving does), then the question and answer run adapted over the refreshed cache; pairs cycle through
+the shares, so one adapter learns every budget it will serve. With gradients on, the
 serving attention computes query-time rows by differentiable tensor ops (its fused
 kernel's log-sum-exp has no gradient). This module knows nothing about how pairs or teacher
 records are produced.
@@ -23,14 +27,18 @@ from dataclasses import dataclass, field
 
 import torch
 from tqdm import tqdm
+from transformers import PreTrainedModel
 from transformers.cache_utils import DynamicCache
 
 from pc_rag.assemble import splice
 from pc_rag.calibration import KWARG as SEGMENTS
 from pc_rag.calibration import Calibration, Segments
-from pc_rag.kv import allocate
+from pc_rag.kv import KVBuffer, allocate
 from pc_rag.rag.adapter import AdapterConfig, SpliceAdapter
 from pc_rag.rag.engine import Chunk, RagEngine
+from pc_rag.rag.modes import MODES
+from pc_rag.rag.recompute import recompute_and_prefill
+from pc_rag.rag.select import kv_deviation, top_indices
 from pc_rag.tune.pairs import Pair
 from pc_rag.tune.teacher import TeacherRecord
 
@@ -48,6 +56,11 @@ class TrainConfig:
     eval_every: int = 400
     patience: int = 3
     seed: int = 0
+    recompute: tuple[float, ...] = (0.0,)  # shares of chunk tokens recomputed before the student's question
+
+    def share(self, index: int) -> float:
+        """The recompute share of the ``index``-th pair seen (training) or validated."""
+        return self.recompute[index % len(self.recompute)]
 
 
 @dataclass
@@ -86,10 +99,12 @@ def student_logprobs(
     question: str,
     record: TeacherRecord,
     calibration: Calibration | None = None,
+    recompute: float = 0.0,
 ) -> torch.Tensor:
     """Log-probs [steps, V] of the spliced prompt teacher-forced with the teacher's answer, adapter applied.
 
-    With ``calibration`` the question and answer rows attend to the chunks APE-calibrated.
+    With ``calibration`` the question and answer rows attend to the chunks APE-calibrated; with
+    ``recompute`` that share of chunk tokens is first refreshed as ``selective`` serving does.
     """
     model = engine.lm.model
     head = len(engine.head_ids)
@@ -99,6 +114,8 @@ def student_logprobs(
         cursor += chunk.kv.length
     buffer = allocate(model, cursor)
     splice(buffer, engine.lm.rope, parts)
+    if recompute > 0:
+        _refresh(model, buffer, head, [t for c in chunks for t in c.token_ids], recompute)
     layers = range(buffer.keys.shape[0])
     cache = DynamicCache(ddp_cache_data=[(buffer.keys[i], buffer.values[i]) for i in layers], config=model.config)
     tail = engine.tokenize(engine.prompt.tail(engine.wrappers, question))
@@ -117,6 +134,15 @@ def student_logprobs(
     return torch.log_softmax(out.logits[0].float(), dim=-1)
 
 
+def _refresh(model: PreTrainedModel, buffer: KVBuffer, head: int, ids: Sequence[int], share: float) -> None:
+    """Recompute in place, with the plain model, the ``share`` of chunk tokens (cache ``head...``) whose values
+    deviate most at the probe layer: what ``selective:<share>`` serving recomputes."""
+    total = head + len(ids)
+    deviation = kv_deviation(model, buffer, head, ids, range(head, total), MODES["selective"].probe_layer)
+    chosen = sorted(top_indices(deviation, round(share * len(ids)), head, set()))
+    recompute_and_prefill(model, buffer, total, chosen, [ids[i - head] for i in chosen], chosen, [], [])
+
+
 def validate(
     engine: RagEngine,
     adapter: SpliceAdapter | None,
@@ -125,13 +151,15 @@ def validate(
     teacher: Callable[[str], TeacherRecord],
     pairs_seen: int = 0,
     calibration: Calibration | None = None,
+    recompute: Callable[[int], float] = lambda index: 0.0,
 ) -> Validation:
-    """Mean first-step and all-step KL(teacher || student) over ``pairs``, without gradients."""
+    """Mean first-step and all-step KL(teacher || student) over ``pairs``, without gradients; pair i's student
+    recomputes the share ``recompute(i)``."""
     firsts, means = [], []
     with torch.no_grad():
-        for pair in pairs:
+        for index, pair in enumerate(pairs):
             record = teacher(pair.key)
-            logp = student_logprobs(engine, adapter, chunks(pair), pair.question, record, calibration)
+            logp = student_logprobs(engine, adapter, chunks(pair), pair.question, record, calibration, recompute(index))
             kl = topk_kl(record.logp, record.index, logp)
             firsts.append(float(kl[0]))
             means.append(float(kl.mean()))
@@ -164,7 +192,7 @@ def train_adapter(
     def checkpoint(seen: int) -> bool:
         """Validate; keep the adapter if it is the best so far. Returns whether it was."""
         nonlocal best_state
-        result = validate(engine, adapter, val_pairs, chunks, teacher, seen)
+        result = validate(engine, adapter, val_pairs, chunks, teacher, seen, recompute=config.share)
         report.history.append(result)
         if report.best is not None and result.mean_kl >= report.best.mean_kl:
             return False
@@ -178,7 +206,7 @@ def train_adapter(
         bar = tqdm(total=config.epochs * len(train_pairs), desc="tune", unit="pair", disable=not progress)
         for pair in _shuffled_epochs(train_pairs, config.epochs, random.Random(config.seed)):
             record = teacher(pair.key)
-            logp = student_logprobs(engine, adapter, chunks(pair), pair.question, record)
+            logp = student_logprobs(engine, adapter, chunks(pair), pair.question, record, recompute=config.share(seen))
             # clones: records made under inference mode cannot be saved for backward
             loss = topk_kl(record.logp.clone(), record.index.clone(), logp).sum() / config.accumulate
             loss.backward()
