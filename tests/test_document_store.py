@@ -186,3 +186,38 @@ def test_plain_prompt_and_foreign_references(tmp_path, engine: RagEngine) -> Non
         store.stream_prompt(f'<pc-rag-module store="{store.store_id}" chunk="999"/>Q?')
     with pytest.raises(PCRagError, match="sits between module references"):
         store.stream_prompt(f"{store.module_ref(store.handle(0))} and {store.module_ref(store.handle(1))}")
+
+
+def test_the_store_records_the_adapter_its_answers_assume(tmp_path, tokenizer, caplog) -> None:
+    from pc_rag.rag.adapter import AdapterConfig, SpliceAdapter
+
+    lm = tiny_model("llama", tokenizer)
+
+    def adapter(seed: int) -> SpliceAdapter:
+        torch.manual_seed(seed)
+        made = SpliceAdapter(lm.model, AdapterConfig(rank=2), lm.fingerprint())
+        with torch.no_grad():
+            for p in made.lora_b.values():
+                p.normal_()
+        return made.requires_grad_(False)
+
+    first, second = adapter(0), adapter(1)
+    assert first.digest != second.digest
+    with pytest.raises(PCRagError, match="pc-rag tune"):  # an adapter mode on a model without one: refused up front
+        make_store(tmp_path / "none", RagEngine(lm, RagPrompt()), mode="fast")
+    assert not (tmp_path / "none").exists()
+    store = make_store(tmp_path, RagEngine(lm, RagPrompt(), adapter=first), mode="fast")
+    assert store.manifest.serving == {"adapter": first.digest}
+    first.detach()
+    with caplog.at_level("WARNING"):
+        DocumentStore.load(tmp_path / "store", RagEngine(lm, RagPrompt(), adapter=first), embedder=embedder())
+    assert "answer with adapter" not in caplog.text
+    first.detach()
+    with caplog.at_level("WARNING"):
+        engine = RagEngine(lm, RagPrompt(), adapter=second)
+        reloaded = DocumentStore.load(tmp_path / "store", engine, embedder=embedder())
+    assert f"answer with adapter {first.digest}; this engine serves {second.digest}" in caplog.text
+    assert reloaded.manifest.serving == {"adapter": first.digest}  # loading records nothing new
+    second.detach()
+    plain = make_store(tmp_path / "plain", RagEngine(lm, RagPrompt()), mode="prefix")
+    assert plain.manifest.serving == {}

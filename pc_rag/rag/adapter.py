@@ -21,6 +21,7 @@ nothing about chunks, prompts or training data.
 from __future__ import annotations
 
 import contextvars
+import hashlib
 import json
 import math
 from collections.abc import Iterator, Sequence
@@ -138,6 +139,15 @@ class SpliceAdapter(nn.Module):
             return output + delta if not skip else torch.cat((output[:, :skip], output[:, skip:] + delta), dim=1)
 
         return add_low_rank
+
+    @property
+    def digest(self) -> str:
+        """A short sha256 of the model fingerprint, configuration and weights: which adapter answers assume."""
+        h = hashlib.sha256(f"{FORMAT}|{self.fingerprint}|{asdict(self.config)}".encode())
+        for name, tensor in sorted(self.state_dict().items()):
+            h.update(name.encode())
+            h.update(tensor.detach().float().cpu().contiguous().numpy().tobytes())
+        return h.hexdigest()[:16]
 
     def save(self, path: str | Path) -> None:
         """Write the pairs and their configuration as safetensors (float32)."""

@@ -103,7 +103,7 @@ class DocumentStore:
             raise StoreError(msg)
         embedder = SentenceTransformerEmbedder() if embedder is None else as_embedder(embedder)
         identity = _identity(engine, embedder, index_kind, chunk_tokens, overlap_tokens, mode, storage_dtype)
-        manifest = Manifest(identity=identity)
+        manifest = Manifest(identity=identity, serving=_serving(engine, mode))
         directory.mkdir(parents=True, exist_ok=True)
         kv = KVStore(
             directory, dtype=storage_dtype, compute_dtype=engine.lm.dtype, lru_bytes=lru_bytes, manifest=manifest
@@ -138,6 +138,7 @@ class DocumentStore:
             engine, embedder, stored.index_kind, stored.chunk_tokens, stored.overlap_tokens, mode, storage
         )
         manifest.check_compatible(expected)
+        _warn_if_serving_changed(directory, manifest.serving, _serving(engine, mode))
         kv = KVStore(directory, dtype=storage, compute_dtype=engine.lm.dtype, lru_bytes=lru_bytes, manifest=manifest)
         index = VectorIndex.load(directory / INDEX_NAME)
         store = cls(directory, engine, manifest, kv, index, embedder, mode)
@@ -370,6 +371,20 @@ def _identity(
         embedder_dim=embedder.dim,
         index_kind=index_kind,
     )
+
+
+def _serving(engine: RagEngine, mode: str) -> dict[str, str]:
+    """What answers in ``mode`` assume beyond the stored KV: the splice adapter's digest if the mode applies one."""
+    return {"adapter": engine.tuned.adapter().digest} if resolve_mode(mode).adapter else {}
+
+
+def _warn_if_serving_changed(directory: Path, recorded: dict[str, str], now: dict[str, str]) -> None:
+    for key in sorted(set(recorded) | set(now)):
+        if recorded.get(key) != now.get(key):
+            logger.warning(
+                "%s was built to answer with %s %s; this engine serves %s: its KV is still valid, but answers will "
+                "differ from those the store gave before", directory, key, recorded.get(key), now.get(key),
+            )  # fmt: skip
 
 
 def _doc_id(text: str) -> str:

@@ -83,6 +83,7 @@ class Manifest:
     chunks: dict[int, ChunkRecord] = field(default_factory=dict)
     docs: dict[str, DocRecord] = field(default_factory=dict)
     shards: dict[str, ShardRecord] = field(default_factory=dict)
+    serving: dict[str, str] = field(default_factory=dict)  # what answers assume beyond the KV, e.g. "adapter"
     format_version: int = FORMAT_VERSION
 
     def next_chunk_id(self) -> int:
@@ -98,6 +99,7 @@ class Manifest:
             "chunks": {str(i): asdict(c) for i, c in sorted(self.chunks.items())},
             "docs": {d: asdict(r) for d, r in self.docs.items()},
             "shards": {name: asdict(s) for name, s in sorted(self.shards.items())},
+            "serving": dict(sorted(self.serving.items())),
         }
         try:
             return json.dumps(data, ensure_ascii=False, indent=1, allow_nan=False)
@@ -136,6 +138,7 @@ class Manifest:
                 chunks={int(i): ChunkRecord(**c) for i, c in data["chunks"].items()},
                 docs={d: DocRecord(**{**r, "chunk_ids": tuple(r["chunk_ids"])}) for d, r in data["docs"].items()},
                 shards={n: _shard(s) for n, s in data["shards"].items()},
+                serving={str(k): str(v) for k, v in data.get("serving", {}).items()},
                 format_version=version,
             )
         except (KeyError, TypeError, ValueError, AttributeError) as e:
