@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import json
 import logging
 import os
 import shutil
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -42,6 +43,7 @@ class LoadedModel:
     tokenizer: PreTrainedTokenizerBase
     rope: RopeSpec
     name: str
+    _fingerprint: str | None = field(default=None, init=False, repr=False)
 
     @property
     def device(self) -> torch.device:
@@ -56,21 +58,24 @@ class LoadedModel:
         return int(self.model.config.get_text_config().max_position_embeddings)
 
     def fingerprint(self) -> str:
-        """A stable hash of config, dtype, vocabulary and weights: KV is only valid for the same fingerprint.
+        """A hash of the config (less local paths), dtype, vocabulary and every weight, computed once: KV, stores
+        and splice adapters are only valid for the same fingerprint, wherever the model was loaded from."""
+        if self._fingerprint is None:
+            self._fingerprint = _fingerprint(self.model, self.tokenizer)
+        return self._fingerprint
 
-        Weights enter through every 1-D parameter (norms, biases) and the first
-        embedding rows: cheap, and different for any two trained checkpoints.
-        """
-        cfg = self.model.config.get_text_config().to_json_string(use_diff=False)
-        digest = hashlib.sha256(cfg.encode())
-        digest.update(str(self.dtype).encode())
-        digest.update(repr(sorted(self.tokenizer.get_vocab().items())).encode())
-        for name, param in self.model.named_parameters():
-            sample = param if param.dim() == 1 else param.reshape(-1)[:4096] if "embed" in name else None
-            if sample is not None:
-                digest.update(name.encode())
-                digest.update(sample.detach().float().cpu().numpy().tobytes())
-        return digest.hexdigest()[:16]
+
+def _fingerprint(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> str:
+    config = model.config.get_text_config().to_dict()
+    config.pop("_name_or_path", None)  # where the files were, not what they are
+    digest = hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode())
+    digest.update(str(next(model.parameters()).dtype).encode())
+    digest.update(repr(sorted(tokenizer.get_vocab().items())).encode())
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            digest.update(name.encode())
+            digest.update(param.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()[:16]
 
 
 def cache_dir() -> Path:
