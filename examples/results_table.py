@@ -2,7 +2,8 @@
 
     python examples/results_table.py examples/results/levers30.json [more.json ...] [--dataset all] [--columns ...]
 
-Given `pc-rag bench peers --json` files instead, prints TTFT, speedup and decode speed per peer.
+Given `pc-rag bench peers --json` files instead, prints TTFT, speedup and decode speed per peer; given
+`examples/oracle_sweep.py --json` files, first-token and 8-token KL per selection and recompute budget.
 Otherwise prints a Markdown table with one row per (dataset, mode) of the chosen datasets: F1 and its change
 against full prefill with the paired bootstrap interval, answer identity, first-token agreement and KL,
 the teacher-forced KL and agreement over 8 tokens, TTFT median and the speedup over full prefill.
@@ -83,6 +84,30 @@ def peers_table(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
+SELECTIONS = {
+    "query": "the question's attention over the spliced cache, first 2 layers (`query:<share>`, no window)",
+    "attention": "oracle: the question's attention in full prefill, all layers",
+    "deviation": "oracle: value change from spliced to full prefill, all layers",
+    "weighted": "oracle: attention x value change, summed over layers",
+}
+
+
+def oracle_table(rows: list[Row]) -> str:
+    """Markdown: one row per (selection, adapter), one column per budget, cells "first-token KL / 8-token KL"."""
+    budgets = sorted({r["budget"] for r in rows})
+    head = ["chunk tokens recomputed, chosen by", *(f"{b:.0%}" for b in budgets)]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for selection, adapter in dict.fromkeys((r["selection"], r["adapter"]) for r in rows):
+        cells = {r["budget"]: r for r in rows if (r["selection"], r["adapter"]) == (selection, adapter)}
+        name = SELECTIONS.get(selection, selection) + (", with the splice adapter on the question" if adapter else "")
+        values = [
+            f"{cells[b]['first_token_kl']:.3f} / {cells[b]['teacher_forced_kl']:.3f}" if b in cells else ""
+            for b in budgets
+        ]
+        lines.append("| " + " | ".join([name, *values]) + " |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("json", type=Path, nargs="+", help="`pc-rag eval --json` files (their rows are joined)")
@@ -92,6 +117,9 @@ def main() -> None:
     loaded = [json.loads(path.read_text(encoding="utf-8")) for path in args.json]
     if all(isinstance(d, list) for d in loaded):  # bench peers rows
         print(peers_table([row for d in loaded for row in d]))
+        return
+    if all(isinstance(d, dict) and "rows" in d for d in loaded):  # oracle sweep rows
+        print(oracle_table([row for d in loaded for row in d["rows"]]))
         return
     rows = [row for d in loaded for row in d["results"]]
     print(table(rows, args.dataset, [c.strip() for c in args.columns.split(",")]))
