@@ -42,6 +42,7 @@ def test_levers_parse() -> None:
     mode = resolve_mode("query:0.05+adapter+ape")
     assert (mode.selection, mode.ratio, mode.adapter, mode.calibrated) == ("query", 0.05, True, True)
     assert resolve_mode("fast").adapter and not resolve_mode("prefix").adapter
+    assert (resolve_mode("blend:0.2").selection, resolve_mode("blend:0.2").ratio) == ("blend", 0.2)
     question_only = resolve_mode("selective:0.2+adapter-question")
     assert question_only.adapter and question_only.adapter_skips_recomputed
     assert not resolve_mode("selective:0.2+adapter").adapter_skips_recomputed
@@ -49,7 +50,7 @@ def test_levers_parse() -> None:
         resolve_mode("prefix+turbo")
 
 
-@pytest.mark.parametrize("mode", ["selective:1.0+ape", "query:1.0", "query:1.0+ape"])
+@pytest.mark.parametrize("mode", ["selective:1.0+ape", "query:1.0", "query:1.0+ape", "blend:1.0"])
 def test_recomputing_every_chunk_token_equals_full_prefill(engine, mode: str) -> None:
     chunks = engine.encode(TEXTS, "prefix")
     full = engine.answer_full(chunks, QUESTION, max_new_tokens=4, keep_logits=4)
@@ -86,3 +87,28 @@ def test_a_mode_without_its_fitted_lever_says_how_to_get_it(tokenizer, monkeypat
     assert caplog.text.count("run without it") == 1  # said once, not per answer
     plain = engine.answer(chunks, QUESTION, "selective:0.3", max_new_tokens=2)
     assert torch.equal(got.first_logits, plain.first_logits) and got.token_ids == plain.token_ids
+
+
+def test_blend_recomputes_the_largest_products_of_attention_and_deviation(engine, monkeypatch) -> None:
+    from pc_rag.rag import engine as engine_module
+
+    chunks = engine.encode(TEXTS, "prefix")
+    seen: dict[str, torch.Tensor] = {}
+    for name in ("question_attention", "kv_deviation"):
+        real = getattr(engine_module, name)
+
+        def spy(*args, _real=real, _name=name, **kwargs):
+            seen[_name] = _real(*args, **kwargs)
+            return seen[_name]
+
+        monkeypatch.setattr(engine_module, name, spy)
+    chosen = []
+    real_recompute = engine_module.recompute_and_prefill
+    monkeypatch.setattr(
+        engine_module, "recompute_and_prefill", lambda *a, **k: (chosen.extend(a[3]), real_recompute(*a, **k))[1]
+    )
+    engine.answer(chunks, QUESTION, "blend:0.25", max_new_tokens=1)
+    head = len(engine.head_ids)
+    product = seen["question_attention"][head:] * seen["kv_deviation"]
+    expected = sorted((head + torch.topk(product, len(chosen)).indices).tolist())
+    assert chosen == expected and 0 < len(chosen) < product.numel()

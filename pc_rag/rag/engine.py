@@ -266,12 +266,16 @@ class RagEngine:
         calls: _QueryCalls,
     ) -> list[int]:
         """Cache indices to recompute (sorted): edge tokens, then the question's most attended chunk tokens
-        (``selection == "query"``) or the largest KV deviations."""
-        if mode.selection == "query" and mode.ratio > 0 and ids:
+        (``selection == "query"``), the largest KV deviations (``"deviation"``), or the largest products of
+        the two (``"blend"``)."""
+        if mode.selection in ("query", "blend") and mode.ratio > 0 and ids:
             positions = range(total, total + len(tail))
             scores = question_attention(
                 self.lm.model, buffer, total, tail, positions, mode.query_layers, call=calls.first([])
             )
+            if mode.selection == "blend":  # attention x value change, as the oracle that sees full prefill
+                deviation = kv_deviation(self.lm.model, buffer, head, ids, range(head, total), mode.probe_layer)
+                scores = torch.cat((scores[:head], scores[head:total] * deviation.to(scores)))
             return query_indices(scores, slots, mode.ratio, mode.window, mode.edge)
         chosen = set(edge_indices(slots, mode.edge))
         if mode.ratio > 0 and ids:

@@ -19,7 +19,8 @@ class RecoveryMode:
     ``edge`` tokens. ``ratio``: also recompute that share of chunk tokens, chosen by ``selection``:
     ``"deviation"``, the largest value deviation at layer ``probe_layer`` (CacheBlend), or ``"query"``, the
     most attention from the question over the stale cache in the first ``query_layers`` layers, widened by
-    ``window`` tokens on each side (ProphetKV). ``adapter``: apply the model's splice adapter to the tokens
+    ``window`` tokens on each side (ProphetKV), or ``"blend"``, the largest product of the two.
+    ``adapter``: apply the model's splice adapter to the tokens
     computed at query time, or with ``adapter_skips_recomputed`` only to the question and generated tokens
     (recomputed chunk tokens then run as the plain model); ``adapter_optional``: run without it on a model
     that has none (``default``) instead of refusing. ``calibrated``: APE-calibrate their attention to
@@ -50,12 +51,14 @@ MODES: dict[str, RecoveryMode] = {
     "selective": RecoveryMode("selective", ratio=0.15),
     "hybrid": RecoveryMode("hybrid", edge=8, ratio=0.10),
     "query": RecoveryMode("query", ratio=0.10, selection="query", window=1),
+    "blend": RecoveryMode("blend", ratio=0.15, selection="blend"),
     "fast": RecoveryMode("fast", adapter=True),  # no recompute: the splice adapter alone
 }
 MODES["default"] = RecoveryMode("default", ratio=0.25)  # selective:0.25: the cheapest budget keeping first-token
 # KL to full prefill near 0.05 in our measurements (README, speed-quality curve)
 
-_BUDGETED = {"edge": "edge", "selective": "ratio", "hybrid": "ratio", "query": "ratio"}  # base -> budget field
+# base -> budget field
+_BUDGETED = {"edge": "edge", "selective": "ratio", "hybrid": "ratio", "query": "ratio", "blend": "ratio"}
 _LEVERS = {  # "+name" suffix -> the fields it sets
     "adapter": {"adapter": True},
     "adapter-question": {"adapter": True, "adapter_skips_recomputed": True},
@@ -74,7 +77,8 @@ def resolve_mode(spec: str | RecoveryMode) -> RecoveryMode:
     base_spec, *levers = spec.split("+")
     mode = _base_mode(base_spec)
     if mode is None or any(lever not in _LEVERS for lever in levers):
-        known = ", ".join([*MODES, "edge:<tokens>", "selective:<share>", "hybrid:<share>", "query:<share>"])
+        budgets = (f"{base}:<{'tokens' if field == 'edge' else 'share'}>" for base, field in _BUDGETED.items())
+        known = ", ".join([*MODES, *budgets])
         levers_known = " and/or ".join(f"+{lever}" for lever in _LEVERS)
         msg = f"unknown recovery mode {spec!r}; known: {known}, each optionally with {levers_known}"
         raise PCRagError(msg)
