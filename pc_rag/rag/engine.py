@@ -332,9 +332,7 @@ class _QueryCalls:
     """The model calls of one request's query-time tokens under ``mode``: adapter applied, attention calibrated."""
 
     def __init__(self, tuned: Tuned, mode: RecoveryMode, head: int, total: int) -> None:
-        self._adapter = None
-        if mode.adapter:
-            self._adapter = tuned.adapter_if_any() if mode.adapter_optional else tuned.adapter()
+        self._adapter = tuned.adapter() if mode.adapter else None
         self._skips_recomputed = mode.adapter_skips_recomputed
         self._calibration = tuned.calibration() if mode.calibrated else None
         self._chunks = (head, total)  # cache indices [head, total) hold the spliced chunks

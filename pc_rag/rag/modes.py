@@ -22,8 +22,7 @@ class RecoveryMode:
     ``window`` tokens on each side (ProphetKV), or ``"blend"``, the largest product of the two.
     ``adapter``: apply the model's splice adapter to the tokens
     computed at query time, or with ``adapter_skips_recomputed`` only to the question and generated tokens
-    (recomputed chunk tokens then run as the plain model); ``adapter_optional``: run without it on a model
-    that has none (``default``) instead of refusing. ``calibrated``: APE-calibrate their attention to
+    (recomputed chunk tokens then run as the plain model). ``calibrated``: APE-calibrate their attention to
     stale chunk keys."""
 
     name: str
@@ -36,7 +35,6 @@ class RecoveryMode:
     window: int = 0
     adapter: bool = False
     adapter_skips_recomputed: bool = False
-    adapter_optional: bool = False
     calibrated: bool = False
 
     @property

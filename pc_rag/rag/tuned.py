@@ -9,7 +9,6 @@ how to make it. This module knows nothing about serving.
 
 from __future__ import annotations
 
-import logging
 import threading
 from pathlib import Path
 
@@ -18,13 +17,7 @@ from pc_rag.errors import PCRagError
 from pc_rag.model import LoadedModel, cache_dir
 from pc_rag.rag.adapter import SpliceAdapter
 
-logger = logging.getLogger(__name__)
-
 PACKAGED = Path(__file__).resolve().parent.parent / "data" / "tuned"
-
-
-class AdapterMissingError(PCRagError):
-    """The model has no fitted splice adapter where serving looks for one."""
 
 
 def tuned_dirs() -> list[Path]:
@@ -49,7 +42,6 @@ class Tuned:
         self._adapter: SpliceAdapter | None = None
         self._calibration: Calibration | None = None
         self._fingerprint: str | None = None
-        self._missing_logged = False
 
     def use(self, adapter: SpliceAdapter | None = None, calibration: Calibration | None = None) -> None:
         """Serve with these instead of looking them up (the adapter is attached to the model as hooks, so
@@ -69,16 +61,6 @@ class Tuned:
                 adapter = SpliceAdapter.load(path, self.lm.model, self.fingerprint())
                 self._adapter = adapter.attach(merged=True)
             return self._adapter
-
-    def adapter_if_any(self) -> SpliceAdapter | None:
-        """The adapter, or None (logged once) when the model has none: for modes that use it only if it exists."""
-        try:
-            return self.adapter()
-        except AdapterMissingError as e:
-            if not self._missing_logged:
-                self._missing_logged = True
-                logger.warning("%s; modes that use it where it exists (such as `default`) run without it", e)
-            return None
 
     def calibration(self) -> Calibration:
         with self._lock:
@@ -101,4 +83,4 @@ class Tuned:
             f"no {what} for model {self.lm.name!r} (fingerprint {self.fingerprint()}) in {searched}; "
             "make one with `pc-rag tune`, or choose a mode without it"
         )
-        raise AdapterMissingError(msg) if what == "splice adapter" else PCRagError(msg)
+        raise PCRagError(msg)

@@ -375,11 +375,7 @@ def _identity(
 
 def _serving(engine: RagEngine, mode: str) -> dict[str, str]:
     """What answers in ``mode`` assume beyond the stored KV: the splice adapter's digest if the mode applies one."""
-    resolved = resolve_mode(mode)
-    if not resolved.adapter:
-        return {}
-    adapter = engine.tuned.adapter_if_any() if resolved.adapter_optional else engine.tuned.adapter()
-    return {"adapter": adapter.digest} if adapter is not None else {}
+    return {"adapter": engine.tuned.adapter().digest} if resolve_mode(mode).adapter else {}
 
 
 def _warn_if_serving_changed(directory: Path, recorded: dict[str, str], now: dict[str, str]) -> None:
