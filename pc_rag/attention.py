@@ -30,6 +30,7 @@ from transformers.masking_utils import causal_mask_function, sdpa_mask
 from pc_rag.calibration import KWARG as SEGMENTS
 from pc_rag.calibration import Segments, calibrated_attention, trailing_rows_mask
 from pc_rag.probe import KWARG as PROBE
+from pc_rag.probe import VALUES_KWARG as VALUES_PROBE
 
 ATTENTION = "pc_rag_sdpa"
 
@@ -146,6 +147,9 @@ def packed_gqa_attention(
     probe, segments = kwargs.pop(PROBE, None), kwargs.pop(SEGMENTS, None)
     if probe is not None:  # query-aware selection scores the cache (and may stop the forward here)
         probe.add(module.layer_idx, query, key, _scaling(module, scaling), kwargs.get("sliding_window"))
+    value_probe = kwargs.pop(VALUES_PROBE, None)
+    if value_probe is not None:  # the deviation probe reads fresh values (and stops the forward at its layer)
+        value_probe.capture(module.layer_idx, value)
     if segments is not None or (torch.is_grad_enabled() and query.requires_grad):
         return _query_time(module, query, key, value, attention_mask, scaling, segments, **kwargs), None
     blocks = kwargs.pop("query_blocks", None)

@@ -38,3 +38,21 @@ class AttentionProbe:
         self.scores = mass if self.scores is None else self.scores + mass
         if layer + 1 >= self.layers:
             raise ProbeDone
+
+
+VALUES_KWARG = "pc_rag_value_probe"
+
+
+class ValueProbe:
+    """The values the last ``tokens`` cache entries (the call's own tokens) hold at ``layer``; stops the forward
+    there. Travels as the attention kwarg ``pc_rag_value_probe``: nothing of the model is changed."""
+
+    def __init__(self, layer: int, tokens: int) -> None:
+        self.layer, self.tokens = layer, tokens
+        self.values: torch.Tensor | None = None  # [B, H_kv, tokens, D]
+
+    def capture(self, layer: int, value: torch.Tensor) -> None:
+        """Called by each attention layer with its keys' values [B, H_kv, S, D] (the cache's, after update)."""
+        if layer == self.layer:
+            self.values = value[:, :, value.shape[2] - self.tokens :]
+            raise ProbeDone

@@ -1,8 +1,9 @@
 """Choose which chunk tokens to recompute: each chunk's first tokens, and the most deviating ones.
 
 Deviation follows CacheBlend: run the network over the assembled prompt with
-full attention up to the value projection of ``probe_layer`` (the forward stops
-there) and compare each chunk token's fresh value with the spliced one; the
+full attention up to the values of ``probe_layer`` (a ``ValueProbe`` stops the forward
+there; no module of the shared model is changed, so concurrent requests are safe)
+and compare each chunk token's fresh value with the spliced one; the
 tokens whose values moved most are the ones cross-chunk attention matters for.
 Values are compared rather than keys because they are cached exactly as
 projected (no RoPE, no norm), in every supported architecture. This module
@@ -11,14 +12,15 @@ knows nothing about prompts or generation.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 
 import torch
-from torch import nn
 from transformers import PreTrainedModel
 from transformers.cache_utils import Cache
 
 from pc_rag.kv import KVBuffer, PreallocatedLayer
+from pc_rag.probe import VALUES_KWARG, ProbeDone, ValueProbe
 
 
 def edge_indices(spans: Sequence[tuple[int, int]], edge: int) -> list[int]:
@@ -39,10 +41,8 @@ def kv_deviation(
 
     The fresh values come from the first ``probe_layer`` layers run over the ``N``
     tokens after the (exact) head with causal attention, then ``probe_layer``'s
-    value projection; the forward is stopped there.
+    values as its attention receives them; the forward is stopped there.
     """
-    decoder = model.get_decoder()
-    layers = decoder.layers
     n = len(ids)
     probe = [
         PreallocatedLayer(
@@ -52,34 +52,24 @@ def kv_deviation(
     ]
     for i, layer in enumerate(probe):
         layer.update(buffer.keys[i][:, :, :head], buffer.values[i][:, :, :head])
+    # layers after the probe never run; they are listed (the head only, never written) for mask sizes
+    probe += [
+        PreallocatedLayer(buffer.keys[i][:, :, :head], buffer.values[i][:, :, :head], head)
+        for i in range(probe_layer + 1, buffer.keys.shape[0])
+    ]
     device = buffer.keys.device
-    captured: list[torch.Tensor] = []
-
-    def stop_after_values(module: nn.Module, inputs: object, output: torch.Tensor) -> None:
-        captured.append(output)
-        raise _ProbeDone
-
-    hook = layers[probe_layer].self_attn.v_proj.register_forward_hook(stop_after_values)
-    decoder.layers = nn.ModuleList(layers[: probe_layer + 1])  # never run what follows the probe
-    try:
-        decoder(
+    values = ValueProbe(probe_layer, n)
+    with contextlib.suppress(ProbeDone):  # raised at the probe layer: what follows is not needed
+        model.get_decoder()(
             input_ids=torch.tensor([list(ids)], device=device),
             position_ids=torch.tensor([list(positions)], device=device),
             past_key_values=Cache(layers=probe),
             use_cache=True,
+            **{VALUES_KWARG: values},
         )
-    except _ProbeDone:
-        pass
-    finally:
-        decoder.layers = layers
-        hook.remove()
+    assert values.values is not None, "the probe layer was never reached"
     old_v = buffer.values[probe_layer][:, :, head : head + n]  # [B, H_kv, N, D]
-    fresh_v = captured[0].view(old_v.shape[0], n, old_v.shape[1], old_v.shape[3]).transpose(1, 2)
-    return (fresh_v - old_v).square().sum((-1, 1, 0)).sqrt()  # [N]: summed over heads and batch
-
-
-class _ProbeDone(Exception):
-    """Raised by the probe's hook once the probe layer's values exist: the rest of the forward is not needed."""
+    return (values.values - old_v).square().sum((-1, 1, 0)).sqrt()  # [N]: summed over heads and batch
 
 
 def top_indices(deviation: torch.Tensor, count: int, offset: int, exclude: set[int]) -> list[int]:
