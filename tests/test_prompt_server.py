@@ -8,6 +8,7 @@ from conftest import tiny_model
 from pc_rag.engine import PromptCache
 from pc_rag.errors import PCRagError
 from pc_rag.integrations._serving import PromptServer
+from pc_rag.rag.markers import module_ref
 
 SCHEMA = '<schema name="s"><module name="doc">The sky is blue.</module></schema>'
 
@@ -54,4 +55,4 @@ def test_bad_conversations_are_refused(server: PromptServer) -> None:
     with pytest.raises(PCRagError, match="chat roles \\['tool'\\]"):
         server.stream_chat([("tool", "x")])
     with pytest.raises(PCRagError, match="single user turn"):
-        server.stream_chat([("user", 'see <pc-rag-module store="ab" chunk="1"/>')], "Other system.")
+        server.stream_chat([("user", f"see {module_ref('ab', 1)}")], "Other system.")

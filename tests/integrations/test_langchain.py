@@ -22,7 +22,7 @@ from pc_rag.integrations.langchain import (
     module_prompt_template,
 )
 from pc_rag.rag import RagEngine, RagPrompt
-from pc_rag.rag.markers import split_module_prompt
+from pc_rag.rag.markers import module_ref, split_module_prompt
 from pc_rag.rag.order import DEFAULT_ORDER, ORDERS
 from pc_rag.store import as_embedder
 from pc_rag.store.document_store import DocumentStore
@@ -182,7 +182,7 @@ def test_identity_and_token_counts(store: DocumentStore, engine: RagEngine) -> N
 def test_bad_references_raise_store_errors(store: DocumentStore) -> None:
     llm = PromptCacheLLM.from_store(store, max_tokens=2)
     with pytest.raises(StoreError, match="chunk 999 is not in the store"):
-        llm.invoke(f'<pc-rag-module store="{store.store_id}" chunk="999"/>Q?')
+        llm.invoke(module_ref(store.store_id, 999) + "Q?")
 
 
 def test_pml_prompts_reuse_schema_modules(engine: RagEngine) -> None:
