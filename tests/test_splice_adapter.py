@@ -71,6 +71,9 @@ def test_merged_attach_equals_hooks_and_detaches_cleanly(adapted) -> None:
     assert torch.equal(logits(lm, IDS), base)
     with adapter.applied():
         assert torch.allclose(logits(lm, IDS), hooked, atol=1e-4, rtol=1e-4)
+    other = SpliceAdapter(lm.model, adapter.config, "fp")
+    with pytest.raises(AdapterError, match="detach it first"):
+        other.attach(merged=True)
     adapter.detach()
     assert all("forward" not in m.__dict__ for m in lm.model.modules())
     with adapter.applied():

@@ -111,6 +111,9 @@ class SpliceAdapter(nn.Module):
         self._merged.clear()
 
     def _merge_into(self, linear: nn.Linear, key: str) -> None:
+        if "forward" in linear.__dict__:
+            msg = "another merged splice adapter is attached to this model: detach it first"
+            raise AdapterError(msg)
         with torch.no_grad():
             delta = self.lora_b[key].float() @ self.lora_a[key].float() * self.config.scale
             weight = (linear.weight.float() + delta).to(linear.weight.dtype)
