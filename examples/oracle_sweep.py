@@ -31,7 +31,7 @@ import torch
 from tqdm import tqdm
 from transformers.cache_utils import Cache
 
-from pc_rag.assemble import forward_new_tokens, splice
+from pc_rag.assemble import forward_new_tokens
 from pc_rag.eval.contexts import ClosedContexts
 from pc_rag.eval.datasets import load_examples
 from pc_rag.eval.metrics import TEACHER_FORCED_STEPS, first_token_kl, teacher_forced, teacher_forced_steps
@@ -40,6 +40,7 @@ from pc_rag.model import load_model
 from pc_rag.probe import KWARG as PROBE
 from pc_rag.probe import AttentionProbe
 from pc_rag.rag import RagEngine, RagPrompt
+from pc_rag.rag.engine import chunk_slots, splice_chunks
 from pc_rag.rag.modes import MODES
 from pc_rag.rag.query_select import query_indices
 
@@ -71,19 +72,12 @@ class ForcedSelection(RagEngine):
 @torch.inference_mode()
 def oracle_scores(engine: RagEngine, chunks, question: str) -> tuple[dict[str, torch.Tensor], list[tuple[int, int]]]:
     """Each scorer's per-cache-entry score [total] and the chunks' (start, length) slots."""
-    model, request = engine.lm.model, engine._request(chunks, question)
-    head = len(request.head_ids)
-    slots, cursor = [], head
-    for chunk in chunks:
-        slots.append((cursor, chunk.kv.length))
-        cursor += chunk.kv.length
-    total, tail = cursor, request.tail_ids
-    ids = engine._full_ids(request)[:total]
+    model, head = engine.lm.model, len(engine.head_ids)
+    slots, total = chunk_slots(head, chunks)
+    tail = engine.tokenize(engine.prompt.tail(engine.wrappers, question))
     fresh, stale = allocate(model, total + len(tail)), allocate(model, total + len(tail))
-    forward_new_tokens(model, fresh, 0, ids, range(total))
-    moved = [(c.kv, start - int(c.kv.positions[0])) for c, (start, _) in zip(chunks, slots, strict=True)]
-    parts = [(request.head_kv, 0), *moved]
-    splice(stale, engine.lm.rope, parts)
+    forward_new_tokens(model, fresh, 0, engine.full_ids(chunks, question)[:total], range(total))
+    splice_chunks(stale, engine.lm.rope, engine.head_kv, chunks, slots)
     layers = fresh.keys.shape[0]
     probe = LayerProbe(total, layers)
     cache = Cache(layers=[PreallocatedLayer(fresh.keys[i], fresh.values[i], total) for i in range(layers)])

@@ -43,8 +43,9 @@ from pc_rag.rag.modes import RecoveryMode, resolve_mode
 from pc_rag.rag.prompt import RagPrompt
 from pc_rag.rag.query_select import query_indices, question_attention
 from pc_rag.rag.recompute import recompute_and_prefill
-from pc_rag.rag.select import edge_indices, kv_deviation, top_indices
+from pc_rag.rag.select import deviation_indices, edge_indices, kv_deviation
 from pc_rag.rag.tuned import Tuned
+from pc_rag.rope import RopeSpec
 
 _ENCODE_BATCH = 8
 
@@ -218,17 +219,11 @@ class RagEngine:
             ids = request.head_ids
             head_kv = encode_spans(self.lm.model, [(ids, range(len(ids)))])[0]
         head = len(request.head_ids)
-        slots, cursor = [], head
-        for chunk in chunks:
-            slots.append((cursor, chunk.kv.length))
-            cursor += chunk.kv.length
-        total = cursor
+        slots, total = chunk_slots(head, chunks)
         self._check_length(total + len(tail))
         buffer = self._buffers.acquire(total + len(tail) + params.max_new_tokens)
         try:
-            parts = [(head_kv, 0)]
-            parts += [(c.kv, start - int(c.kv.positions[0])) for c, (start, _) in zip(chunks, slots, strict=True)]
-            splice(buffer, self.lm.rope, parts)
+            splice_chunks(buffer, self.lm.rope, head_kv, chunks, slots)
             tail_positions = range(total, total + len(tail))
             ids = [t for c in chunks for t in c.token_ids]
             calls = _QueryCalls(self.tuned, mode, head, total)
@@ -279,14 +274,31 @@ class RagEngine:
             return query_indices(scores, slots, mode.ratio, mode.window, mode.edge)
         chosen = set(edge_indices(slots, mode.edge))
         if mode.ratio > 0 and ids:
-            deviation = kv_deviation(self.lm.model, buffer, head, ids, range(head, total), mode.probe_layer)
-            chosen.update(top_indices(deviation, round(mode.ratio * len(ids)), head, chosen))
+            chosen.update(deviation_indices(self.lm.model, buffer, head, ids, mode.ratio, mode.probe_layer, chosen))
         return sorted(chosen)
 
     def _check_length(self, tokens: int) -> None:
         if tokens + 1 > self.lm.max_positions:
             msg = f"prompt of {tokens} tokens exceeds the model's {self.lm.max_positions} positions"
             raise ContextLengthError(msg)
+
+
+def chunk_slots(head: int, chunks: Sequence[Chunk]) -> tuple[list[tuple[int, int]], int]:
+    """Each chunk's ``(cache start, length)`` when the chunks are laid out one after another after ``head``
+    tokens, and the cache length after the last one."""
+    slots, cursor = [], head
+    for chunk in chunks:
+        slots.append((cursor, chunk.kv.length))
+        cursor += chunk.kv.length
+    return slots, cursor
+
+
+def splice_chunks(
+    buffer: KVBuffer, rope: RopeSpec, head_kv: SpanKV, chunks: Sequence[Chunk], slots: Sequence[tuple[int, int]]
+) -> None:
+    """Splice the head's KV, then each chunk's with its keys re-rotated to its slot (``chunk_slots``)."""
+    moved = [(c.kv, start - int(c.kv.positions[0])) for c, (start, _) in zip(chunks, slots, strict=True)]
+    splice(buffer, rope, [(head_kv, 0), *moved])
 
 
 def _teacher_forced(

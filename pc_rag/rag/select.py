@@ -72,7 +72,22 @@ def kv_deviation(
     return (values.values - old_v).square().sum((-1, 1, 0)).sqrt()  # [N]: summed over heads and batch
 
 
-def top_indices(deviation: torch.Tensor, count: int, offset: int, exclude: set[int]) -> list[int]:
+def deviation_indices(
+    model: PreTrainedModel,
+    buffer: KVBuffer,
+    head: int,
+    ids: Sequence[int],
+    share: float,
+    probe_layer: int,
+    exclude: set[int] | frozenset[int] = frozenset(),
+) -> list[int]:
+    """Cache indices of the ``share`` of chunk tokens (entries ``head...``) whose values deviate most at
+    ``probe_layer``, leaving out ``exclude``: what ``selective:<share>`` recomputes."""
+    deviation = kv_deviation(model, buffer, head, ids, range(head, head + len(ids)), probe_layer)
+    return top_indices(deviation, round(share * len(ids)), head, exclude)
+
+
+def top_indices(deviation: torch.Tensor, count: int, offset: int, exclude: set[int] | frozenset[int]) -> list[int]:
     """Cache indices (``offset`` + token index) of the ``count`` largest deviations not in ``exclude``."""
     if count <= 0:
         return []

@@ -30,15 +30,14 @@ from tqdm import tqdm
 from transformers import PreTrainedModel
 from transformers.cache_utils import DynamicCache
 
-from pc_rag.assemble import splice
 from pc_rag.calibration import KWARG as SEGMENTS
 from pc_rag.calibration import Calibration, Segments
 from pc_rag.kv import KVBuffer, allocate
 from pc_rag.rag.adapter import AdapterConfig, SpliceAdapter
-from pc_rag.rag.engine import Chunk, RagEngine
+from pc_rag.rag.engine import Chunk, RagEngine, chunk_slots, splice_chunks
 from pc_rag.rag.modes import MODES
 from pc_rag.rag.recompute import recompute_and_prefill
-from pc_rag.rag.select import kv_deviation, top_indices
+from pc_rag.rag.select import deviation_indices
 from pc_rag.tune.pairs import Pair
 from pc_rag.tune.teacher import TeacherRecord
 
@@ -108,12 +107,9 @@ def student_logprobs(
     """
     model = engine.lm.model
     head = len(engine.head_ids)
-    parts, cursor = [(engine.head_kv, 0)], head
-    for chunk in chunks:
-        parts.append((chunk.kv, cursor - int(chunk.kv.positions[0])))
-        cursor += chunk.kv.length
+    slots, cursor = chunk_slots(head, chunks)
     buffer = allocate(model, cursor)
-    splice(buffer, engine.lm.rope, parts)
+    splice_chunks(buffer, engine.lm.rope, engine.head_kv, chunks, slots)
     if recompute > 0:
         _refresh(model, buffer, head, [t for c in chunks for t in c.token_ids], recompute)
     layers = range(buffer.keys.shape[0])
@@ -137,10 +133,8 @@ def student_logprobs(
 def _refresh(model: PreTrainedModel, buffer: KVBuffer, head: int, ids: Sequence[int], share: float) -> None:
     """Recompute in place, with the plain model, the ``share`` of chunk tokens (cache ``head...``) whose values
     deviate most at the probe layer: what ``selective:<share>`` serving recomputes."""
-    total = head + len(ids)
-    deviation = kv_deviation(model, buffer, head, ids, range(head, total), MODES["selective"].probe_layer)
-    chosen = sorted(top_indices(deviation, round(share * len(ids)), head, set()))
-    recompute_and_prefill(model, buffer, total, chosen, [ids[i - head] for i in chosen], chosen, [], [])
+    chosen = sorted(deviation_indices(model, buffer, head, ids, share, MODES["selective"].probe_layer))
+    recompute_and_prefill(model, buffer, head + len(ids), chosen, [ids[i - head] for i in chosen], chosen, [], [])
 
 
 def validate(
