@@ -77,25 +77,18 @@ class RopeSpec:
 
 
 def rotate_keys(keys: torch.Tensor, delta: int | torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
-    """Rotate post-RoPE keys [..., S, D] by ``delta`` positions with frequencies ``inv_freq`` [R/2].
-
-    Only the first ``R = 2 * len(inv_freq)`` dims rotate (partial rotary); angles are
-    computed in float64 so re-rotation adds no error beyond the cast back.
-    """
-    rotary_dim = 2 * inv_freq.shape[0]
-    delta_t = torch.as_tensor(delta, dtype=torch.float64, device=keys.device).reshape(-1, 1)
-    angles = delta_t * inv_freq.to(device=keys.device, dtype=torch.float64)  # [S or 1, R/2]
-    angles = torch.cat((angles, angles), dim=-1)
-    cos, sin = angles.cos().to(keys.dtype), angles.sin().to(keys.dtype)
-    k_rot, k_pass = keys[..., :rotary_dim], keys[..., rotary_dim:]
-    half = rotary_dim // 2
-    rotated_half = torch.cat((-k_rot[..., half:], k_rot[..., :half]), dim=-1)
-    return torch.cat((k_rot * cos + rotated_half * sin, k_pass), dim=-1)
+    """Post-RoPE keys [..., S, D] rotated by ``delta`` positions (int or [S]), as a new tensor (see
+    ``rotate_keys_into``)."""
+    out = torch.empty_like(keys)
+    rotate_keys_into(out, keys, delta, inv_freq)
+    return out
 
 
 def rotate_keys_into(out: torch.Tensor, keys: torch.Tensor, delta: int | torch.Tensor, inv_freq: torch.Tensor) -> None:
-    """``out[...] = rotate_keys(keys, delta, inv_freq)`` without temporaries the size of ``keys`` (``out`` must not
-    overlap ``keys``)."""
+    """Write post-RoPE keys [..., S, D] rotated by ``delta`` positions with frequencies ``inv_freq`` [R/2] into
+    ``out`` (same shape, e.g. a cache buffer's slice; it must not overlap ``keys``), without temporaries the
+    size of ``keys``. Only the first ``R = 2 * len(inv_freq)`` dims rotate (partial rotary); angles are
+    computed in float64 so re-rotation adds no error beyond the cast back."""
     half = inv_freq.shape[0]
     rotary_dim = 2 * half
     delta_t = torch.as_tensor(delta, dtype=torch.float64, device=keys.device).reshape(-1, 1)
