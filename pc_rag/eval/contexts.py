@@ -120,7 +120,6 @@ class OpenContexts:
         return self._retrieved[key]
 
     def _store(self, dataset: str, conditioned: bool) -> Any:
-
         key = (dataset, conditioned)
         if key not in self._stores:
             unique = {passage_id(p): p for p in self._pools[dataset]}

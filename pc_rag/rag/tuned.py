@@ -41,7 +41,6 @@ class Tuned:
         self._lock = threading.Lock()
         self._adapter: SpliceAdapter | None = None
         self._calibration: Calibration | None = None
-        self._fingerprint: str | None = None
 
     def use(self, adapter: SpliceAdapter | None = None, calibration: Calibration | None = None) -> None:
         """Serve with these instead of looking them up (the adapter is attached to the model as hooks, so
@@ -70,9 +69,7 @@ class Tuned:
             return self._calibration
 
     def fingerprint(self) -> str:
-        if self._fingerprint is None:
-            self._fingerprint = self.lm.fingerprint()
-        return self._fingerprint
+        return self.lm.fingerprint()
 
     def _find(self, name: Path, what: str) -> Path:
         for directory in tuned_dirs():
