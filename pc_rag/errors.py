@@ -112,3 +112,7 @@ class StoreMismatchError(StoreError):
     def __init__(self, message: str, fields: dict[str, tuple[object, object]] | None = None) -> None:
         self.fields = dict(fields or {})
         super().__init__(message)
+
+
+class StoreLockedError(StoreError):
+    """Another process (or another open store object) is writing to the store; one writer at a time."""

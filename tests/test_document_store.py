@@ -78,7 +78,7 @@ def test_reload_gives_the_same_store(tmp_path, engine: RagEngine) -> None:
     torch.testing.assert_close(after.result.first_logits, before.result.first_logits)
 
 
-def test_an_interrupted_add_loses_nothing_saved_and_its_kv_is_reclaimed(tmp_path, engine: RagEngine) -> None:
+def test_an_interrupted_add_loses_nothing_committed_and_its_kv_is_reclaimed(tmp_path, engine: RagEngine) -> None:
     store = make_store(tmp_path, engine)
     saved = {cid: store.kv.get(cid) for cid in store.manifest.chunks}
     embedded: list[int] = []
@@ -92,25 +92,43 @@ def test_an_interrupted_add_loses_nothing_saved_and_its_kv_is_reclaimed(tmp_path
     store.embedder = as_embedder(interrupted, name="test-bag-of-words")
     with pytest.raises(KeyboardInterrupt):
         store.add_documents([f"Extra note {i} about the river Rhine." for i in range(40)], progress=False)
-    written = store.kv.nbytes
+    store.embedder = embedder()
+    assert store.documents == ["eiffel", "fuji", "danube"]
+    assert all("Rhine" not in h.text for h in store.search("Rhine", k=50))
+    on_disk = _bytes(tmp_path / "store")
+    store.close()
     reopened = DocumentStore.load(tmp_path / "store", engine, embedder=embedder())
     assert reopened.documents == ["eiffel", "fuji", "danube"] and reopened.kv.ids() == sorted(saved)
-    assert reopened.kv.nbytes < written / 4  # the unlisted chunks' shards are gone from disk
     for cid, span in saved.items():
         torch.testing.assert_close(reopened.kv.get(cid).keys, span.keys)
     assert reopened.search("Where does the Danube flow?", k=1)[0].doc_id == "danube"
+    assert _bytes(tmp_path / "store") == on_disk  # loading wrote nothing
+    reopened.compact()  # the next write removes what the interrupted one left
+    assert _bytes(tmp_path / "store") < on_disk / 4
+    reopened.verify()
 
 
-def test_a_document_listed_without_its_chunks_is_dropped_on_load(tmp_path, engine: RagEngine) -> None:
+def test_a_document_listed_without_its_chunks_is_dropped_by_repair(tmp_path, engine: RagEngine) -> None:
     store = DocumentStore.create(tmp_path / "store", engine, embedder=embedder(), chunk_tokens=8, overlap_tokens=0)
     store.add_documents(DOCS, ids=["eiffel", "fuji", "danube"], progress=False)  # several chunks per document
+    store.close()
     fuji = store.manifest.docs["fuji"].chunk_ids
     assert len(fuji) > 1
-    del store.manifest.chunks[fuji[0]]  # as an interrupted add of an earlier version could leave it
+    del store.manifest.chunks[fuji[0]]  # as an old pc-rag's interrupted add could leave it
     store.manifest.save(tmp_path / "store" / "manifest.json")
     reopened = DocumentStore.load(tmp_path / "store", engine, embedder=embedder())
+    assert fuji[0] not in {h.chunk_id for h in reopened.search("Fuji", k=50)}  # never served
+    with pytest.raises(StoreCorruptedError, match="1 documents missing a chunk"):
+        reopened.verify()
+    report = reopened.repair()
+    assert report.dropped_documents == ("fuji",) and report.orphan_chunks == len(fuji)
     assert reopened.documents == ["eiffel", "danube"] and not set(fuji) & set(reopened.kv.ids())
     assert not set(fuji) & set(reopened.index.ids()) and all(h.doc_id != "fuji" for h in reopened.search("Fuji", k=50))
+    reopened.verify()
+
+
+def _bytes(directory) -> int:
+    return sum(p.stat().st_size for p in directory.rglob("*") if p.is_file())
 
 
 def test_store_refuses_another_model_or_embedder(tmp_path, engine: RagEngine, tokenizer) -> None:

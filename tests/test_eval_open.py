@@ -71,15 +71,15 @@ def test_an_interrupted_store_build_resumes(tmp_path, engine: RagEngine, monkeyp
 
     added: list[list[str]] = []
     interrupt = [True]
-    real_add = DocumentStore.add_documents
+    real_part = DocumentStore._add_part
 
-    def add(self, documents, ids=None, **kwargs):
+    def add_part(self, pieces, bar):
         if interrupt[0] and added:
             raise KeyboardInterrupt  # the user stops the build during its second part
-        added.append(list(ids))
-        return real_add(self, documents, ids=ids, **kwargs)
+        added.append([doc_id for doc_id, *_ in pieces])
+        return real_part(self, pieces, bar)
 
-    monkeypatch.setattr(DocumentStore, "add_documents", add)
+    monkeypatch.setattr(DocumentStore, "_add_part", add_part)
     contexts = OpenContexts(engine, EXAMPLES, k=1, directory=tmp_path, embedder=embedder())
     contexts.build_part = 3
     with pytest.raises(KeyboardInterrupt):

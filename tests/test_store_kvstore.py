@@ -196,7 +196,7 @@ def test_manifest_round_trip(tmp_path) -> None:
             5: ChunkRecord("doc-a", "Second chunk.", 3, 20, 33),
         },
         docs={"doc-a": DocRecord((0, 5), "abc123", {"title": "A"})},
-        shards={"kv/00000001-aa.safetensors": ShardRecord("f" * 64, 1234, (0, 5), dead=(5,))},
+        shards={"kv/00000001-aaaaaaaa.safetensors": ShardRecord("f" * 64, 1234, (0, 5), dead=(5,))},
     )
     manifest.save(tmp_path / MANIFEST_NAME)
     assert Manifest.load(tmp_path / MANIFEST_NAME) == manifest

@@ -150,7 +150,7 @@ def pooled_store(
     """The store at ``path`` holding ``documents`` (id -> text, metadata), one chunk each, encoded for ``mode``.
 
     Created on first use (chunk size above the longest document) or loaded; documents it lacks are
-    added ``part`` at a time, each part saved, so an interrupted build resumes.
+    added with a commit every ``part`` chunks, so an interrupted build resumes.
     """
     from pc_rag.store.document_store import DocumentStore
     from pc_rag.store.manifest import MANIFEST_NAME
@@ -164,9 +164,8 @@ def pooled_store(
             path, engine, embedder=embedder, chunk_tokens=longest + 16, overlap_tokens=0, mode=mode, **extra
         )
     missing = [d for d in documents if d not in store.manifest.docs]
-    for i in range(0, len(missing), part):
-        ids = missing[i : i + part]
-        store.add_documents([documents[d] for d in ids], ids=ids)
+    if missing:
+        store.add_documents([documents[d] for d in missing], ids=missing, commit_every=part)
     return store
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,21 +21,31 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from pc_rag.errors import PCRagError, StoreError
+from pc_rag.errors import PCRagError, StoreCorruptedError, StoreError
 from pc_rag.generate import GenerationResult, ReplyStream
 from pc_rag.rag.engine import Chunk, RagEngine
 from pc_rag.rag.markers import module_ref, split_module_prompt
 from pc_rag.rag.modes import resolve_mode
 from pc_rag.rag.order import BEST_FIRST, DEFAULT_ORDER, reorder
+from pc_rag.store._atomic import sha256_file
 from pc_rag.store.chunking import split_text
 from pc_rag.store.embeddings import Embedder, SentenceTransformerEmbedder, as_embedder
+from pc_rag.store.files import LEGACY_INDEX_NAME, LOCK_NAME, index_name, unlisted
 from pc_rag.store.index import VectorIndex
-from pc_rag.store.kvstore import DEFAULT_LRU_BYTES, KVStore
-from pc_rag.store.manifest import MANIFEST_NAME, ChunkRecord, DocRecord, Manifest, StoreIdentity, tokenizer_hash
+from pc_rag.store.kvstore import DEFAULT_LRU_BYTES, STORAGE_DTYPES, KVStore
+from pc_rag.store.manifest import (
+    MANIFEST_NAME,
+    ChunkRecord,
+    DocRecord,
+    IndexRecord,
+    Manifest,
+    StoreIdentity,
+    tokenizer_hash,
+)
+from pc_rag.store.writer_lock import WriterLock
 
 logger = logging.getLogger(__name__)
 
-INDEX_NAME = "index.faiss"
 Document = str | tuple[str, dict[str, Any]]
 
 
@@ -65,6 +76,15 @@ class DocumentStore:
     ``mode`` decides how chunks are encoded (alone or after the preamble) and the
     default recovery at answer time. Use ``create`` for a new store and ``load``
     for an existing one; both check that what is on disk matches.
+
+    Transactions: every write (``add_documents``, ``delete``, ``compact``,
+    ``repair``) first takes the store's writer lock, held until ``close``: one
+    writer at a time, across processes, and a second gets ``StoreLockedError``.
+    A change becomes visible to other processes only when ``commit`` replaces
+    the manifest, so a killed writer leaves the last commit intact. Loading never
+    writes and never waits for the lock; a loaded store follows later commits
+    (``refresh``, run by ``search``). Thread-safe: writes are serialized,
+    searches and answers run alongside them.
     """
 
     def __init__(
@@ -81,6 +101,9 @@ class DocumentStore:
         self.engine, self.manifest, self.kv, self.index, self.embedder, self.mode = (
             engine, manifest, kv, index, embedder, mode,
         )  # fmt: skip
+        self._writer = WriterLock(self.directory)
+        self._write_mutex = threading.RLock()  # one write at a time in this process
+        self._seen = _manifest_stamp(self.directory)
 
     @classmethod
     def create(
@@ -96,10 +119,16 @@ class DocumentStore:
         storage_dtype: torch.dtype = torch.float32,
         lru_bytes: int = DEFAULT_LRU_BYTES,
     ) -> DocumentStore:
-        """Start an empty store in ``directory`` (which must not hold a store yet)."""
+        """Start an empty store in ``directory`` (new, or empty), holding its writer lock."""
         directory = Path(directory)
+        if directory.exists() and not directory.is_dir():
+            msg = f"{directory} is a file; a store is a directory"
+            raise StoreError(msg)
         if (directory / MANIFEST_NAME).exists():
             msg = f"{directory} already holds a store; use DocumentStore.load"
+            raise StoreError(msg)
+        if directory.is_dir() and any(p.name != LOCK_NAME for p in directory.iterdir()):
+            msg = f"{directory} is not empty and holds no store: give a new or empty directory"
             raise StoreError(msg)
         embedder = SentenceTransformerEmbedder() if embedder is None else as_embedder(embedder)
         identity = _identity(engine, embedder, index_kind, chunk_tokens, overlap_tokens, mode, storage_dtype)
@@ -109,7 +138,12 @@ class DocumentStore:
             directory, dtype=storage_dtype, compute_dtype=engine.lm.dtype, lru_bytes=lru_bytes, manifest=manifest
         )
         store = cls(directory, engine, manifest, kv, VectorIndex(embedder.dim, index_kind), embedder, mode)
-        store.save()
+        store._writer.acquire()
+        if (directory / MANIFEST_NAME).exists():  # another process created it between our checks and the lock
+            store.close()
+            msg = f"{directory} already holds a store; use DocumentStore.load"
+            raise StoreError(msg)
+        store.commit()
         return store
 
     @classmethod
@@ -121,64 +155,190 @@ class DocumentStore:
         embedder: object | None = None,
         lru_bytes: int = DEFAULT_LRU_BYTES,
     ) -> DocumentStore:
-        """Open a store; ``StoreMismatchError`` if it was built with another model, tokenizer, preamble or embedder."""
+        """Open a store read-only (writes take the lock when they come); ``StoreMismatchError`` if it was built
+        with another model, tokenizer, preamble or embedder."""
         directory = Path(directory)
         if not (directory / MANIFEST_NAME).is_file():
             msg = f"{directory} is not a pc-rag store (no {MANIFEST_NAME})"
             raise StoreError(msg)
-        manifest = Manifest.load(directory / MANIFEST_NAME)
+        manifest, index = _read_commit(directory)
         stored = manifest.identity
         if stored is None:
             msg = f"store manifest in {directory} has no identity"
             raise StoreError(msg)
         embedder = SentenceTransformerEmbedder() if embedder is None else as_embedder(embedder)
         mode = stored.encoding_mode.split("/")[0]
-        storage = getattr(torch, stored.model_dtype.split("/")[-1])
+        storage = _storage_dtype(directory, stored.model_dtype)
         expected = _identity(
             engine, embedder, stored.index_kind, stored.chunk_tokens, stored.overlap_tokens, mode, storage
         )
         manifest.check_compatible(expected)
         _warn_if_serving_changed(directory, manifest.serving, _serving(engine, mode))
         kv = KVStore(directory, dtype=storage, compute_dtype=engine.lm.dtype, lru_bytes=lru_bytes, manifest=manifest)
-        index = VectorIndex.load(directory / INDEX_NAME)
-        store = cls(directory, engine, manifest, kv, index, embedder, mode)
-        store._drop_unlisted()
-        return store
+        return cls(directory, engine, manifest, kv, index, embedder, mode)
 
     def __len__(self) -> int:
         return len(self.manifest.chunks)
 
-    def _drop_unlisted(self) -> None:
-        """After an interrupted write: forget what the manifest does not list (KV, index entries, documents
-        missing a chunk) so the store is exactly its last committed contents, and free the KV on disk."""
-        chunks = self.manifest.chunks
-        partial = [d for d, rec in self.manifest.docs.items() if not all(c in chunks for c in rec.chunk_ids)]
-        for doc_id in partial:
-            for cid in self.manifest.docs.pop(doc_id).chunk_ids:
-                self.manifest.chunks.pop(cid, None)
-        listed = set(self.manifest.chunks)
-        unindexed = self.index.remove(set(self.index.ids()) - listed)
-        orphans = set(self.kv.ids()) - listed
-        if not (partial or unindexed or orphans):
+    def close(self) -> None:
+        """Release the writer lock (if this object wrote) and the cached KV. Uncommitted changes are dropped."""
+        self._writer.release()
+        self.kv.close()
+
+    def __enter__(self) -> DocumentStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def commit(self) -> None:
+        """Make every change so far durable and visible to other processes.
+
+        Writes the index as a new file, then replaces the manifest naming it (the commit point), then removes
+        what the new manifest no longer lists: the previous index file, shards ``compact`` retired, and files
+        an interrupted writer left behind.
+        """
+        with self._write_mutex:
+            self._begin_write()
+            generation = self.manifest.generation + 1
+            name = index_name(generation)
+            self.index.save(self.directory / name)
+            previous = self.manifest.index, self.manifest.generation
+            self.manifest.index = IndexRecord(name, sha256_file(self.directory / name))
+            self.manifest.generation = generation
+            try:
+                self.manifest.save(self.directory / MANIFEST_NAME)
+            except BaseException:
+                self.manifest.index, self.manifest.generation = previous
+                (self.directory / name).unlink(missing_ok=True)
+                raise
+            self._seen = _manifest_stamp(self.directory)
+            self._remove_leftovers()
+
+    def refresh(self) -> bool:
+        """Follow commits another process made since this store was loaded; return whether there were any.
+
+        A writer (this object holds the lock) is always current. Called by ``search``.
+        """
+        if self._writer.held or _manifest_stamp(self.directory) == self._seen:
+            return False
+        with self._write_mutex:
+            stamp = _manifest_stamp(self.directory)
+            manifest, index = _read_commit(self.directory)
+            if manifest.identity != self.manifest.identity:
+                msg = f"the store at {self.directory} was rebuilt with another setup since it was loaded; load it again"
+                raise StoreError(msg)
+            changed = manifest.generation != self.manifest.generation
+            if changed:
+                self._adopt(manifest, index)
+            self._seen = stamp
+            return changed
+
+    def repair(self) -> RepairReport:
+        """Bring the store back to a consistent state after damage or an old pc-rag's interrupted write.
+
+        Drops documents missing a chunk (or whose KV shard is missing or corrupted: re-add them), KV and index
+        entries of no listed chunk, re-embeds listed chunks the index lacks, compacts, commits and removes
+        unlisted files. A store written by this version needs none of it after a crash: see the class docstring.
+        """
+        with self._write_mutex:
+            self._begin_write()
+            shards = self.manifest.shards
+            damaged = {c for name, record in shards.items() if self.kv.problem(name) for c in record.chunk_ids}
+            chunks = self.manifest.chunks
+            usable = set(chunks) - damaged
+            partial = sorted(d for d, rec in self.manifest.docs.items() if not usable.issuperset(rec.chunk_ids))
+            for doc_id in partial:
+                for cid in self.manifest.docs.pop(doc_id).chunk_ids:
+                    chunks.pop(cid, None)
+            listed = set(chunks)
+            unindexed = self.index.remove(set(self.index.ids()) - listed)
+            orphans = self.kv.delete((set(self.kv.ids()) | damaged) - listed)
+            lost = sorted(listed - set(self.index.ids()))
+            if lost:
+                self.index.add(lost, self.embedder.embed_documents([chunks[c].text for c in lost]))
+            leftovers = len(unlisted(self.directory, self.manifest.listed_files()))
+            freed = self.kv.compact()
+            self.commit()
+            return RepairReport(tuple(partial), orphans, unindexed, len(lost), leftovers, freed)
+
+    def verify(self) -> str:
+        """Check every checksum and cross-reference without writing; a summary, or ``StoreCorruptedError``
+        naming each problem (``repair`` fixes what it names)."""
+        m = self.manifest
+        problems = [p for name in sorted(m.shards) if (p := self.kv.problem(name))]
+        stored, indexed, listed = set(self.kv.ids()), set(self.index.ids()), set(m.chunks)
+        checks = {
+            "documents missing a chunk": [d for d, r in m.docs.items() if not listed.issuperset(r.chunk_ids)],
+            "chunks without KV": sorted(listed - stored),
+            "chunks missing from the index": sorted(listed - indexed),
+            "KV entries of no listed chunk": sorted(stored - listed),
+            "index entries of no listed chunk": sorted(indexed - listed),
+            "leftover files of interrupted writes": unlisted(self.directory, m.listed_files()),
+        }
+        problems += [f"{len(found)} {what} (e.g. {found[0]})" for what, found in checks.items() if found]
+        if problems:
+            msg = f"the store at {self.directory} has problems: " + "; ".join(problems)
+            raise StoreCorruptedError(msg)
+        return (
+            f"{self.directory}: {len(m.docs)} documents, {len(m.chunks)} chunks, {len(m.shards)} KV shards "
+            f"({self.kv.nbytes / 2**20:.1f} MiB), commit {m.generation}: every checksum and reference is sound"
+        )
+
+    def compact(self) -> int:
+        """Rewrite KV shards without deleted chunks and commit; return the bytes freed on disk.
+
+        Processes that loaded the store before and have not refreshed may then miss the retired shards.
+        """
+        with self._write_mutex:
+            self._begin_write()
+            before = _bytes_on_disk(self.directory)
+            self.kv.compact()
+            self.commit()
+            return before - _bytes_on_disk(self.directory)
+
+    def _begin_write(self) -> None:
+        """Before the first write: take the writer lock and catch up with commits made since this store loaded."""
+        if self._writer.held:
             return
-        self.kv.delete(orphans)
-        freed = self.kv.compact()
-        self.save()
-        logger.warning(
-            "%s was interrupted while writing: dropped %d unlisted chunks' KV (%d bytes), %d index entries and %d "
-            "partly stored documents", self.directory, len(orphans), freed, unindexed, len(partial),
-        )  # fmt: skip
+        self._writer.acquire()
+        try:
+            if (self.directory / MANIFEST_NAME).exists():
+                manifest, index = _read_commit(self.directory)
+                if manifest.generation != self.manifest.generation:
+                    self._adopt(manifest, index)
+        except BaseException:
+            self._writer.release()
+            raise
+
+    def _adopt(self, manifest: Manifest, index: VectorIndex) -> None:
+        self.manifest, self.index = manifest, index
+        self.kv.manifest = manifest
+        self.kv.reload()
+
+    def _remove_leftovers(self) -> None:
+        for path in unlisted(self.directory, self.manifest.listed_files()):
+            logger.info("removing %s: no longer listed in the manifest", path)
+            path.unlink(missing_ok=True)
 
     @property
     def documents(self) -> list[str]:
         return list(self.manifest.docs)
 
     def add_documents(
-        self, documents: Iterable[Document], ids: Sequence[str] | None = None, *, progress: bool = True
+        self,
+        documents: Iterable[Document],
+        ids: Sequence[str] | None = None,
+        *,
+        progress: bool = True,
+        commit_every: int = 0,
     ) -> list[str]:
         """Chunk, encode, embed and index ``documents`` (texts or ``(text, metadata)``); return their ids.
 
-        Existing ids are replaced (``update``). Empty documents are rejected before anything is written.
+        An existing id is replaced (``update``), unless its text and metadata are unchanged: then it is skipped.
+        A replaced document keeps its old version until the new one is committed. Empty documents are
+        rejected before anything is written. With ``commit_every`` > 0, a commit follows every that many
+        chunks (at document boundaries), so an interrupted run keeps its progress and a rerun resumes.
         """
         docs = [(d, {}) if isinstance(d, str) else (d[0], dict(d[1])) for d in documents]
         ids = list(ids) if ids is not None else [_doc_id(text) for text, _ in docs]
@@ -194,32 +354,48 @@ class DocumentStore:
                 msg = f"document {doc_id!r} is empty"
                 raise StoreError(msg)
             pieces.append((doc_id, text, meta, spans))
-        self.delete([doc_id for doc_id in ids if doc_id in self.manifest.docs], save=False)
-        next_id = self.manifest.next_chunk_id()
+        with self._write_mutex:
+            self._begin_write()
+            pieces = [p for p in pieces if not self.is_current(p[0], p[1], p[2])]
+            bar = tqdm(total=sum(len(p[3]) for p in pieces), desc="encoding chunks", unit="chunk", disable=not progress)
+            for part in _parts(pieces, commit_every):
+                self._add_part(part, bar)
+            bar.close()
+        return ids
+
+    def is_current(self, doc_id: str, text: str, metadata: dict[str, Any] | None = None) -> bool:
+        """Whether the store holds ``doc_id`` with exactly this text and metadata (adding it again is a no-op)."""
+        record = self.manifest.docs.get(doc_id)
+        return record is not None and record.sha256 == _sha256(text) and record.metadata == (metadata or {})
+
+    def _add_part(self, pieces: list[tuple[str, str, dict[str, Any], list[Any]]], bar: tqdm) -> None:
+        """Encode and index ``pieces``, then swap them in for their old versions and commit."""
+        fresh = iter(self.manifest.reserve_chunk_ids(sum(len(spans) for *_, spans in pieces)))
         records: dict[int, ChunkRecord] = {}
         token_ids: dict[int, list[int]] = {}  # tokenized once: counted for the manifest, then encoded
         new_docs: dict[str, DocRecord] = {}
         for doc_id, text, meta, spans in pieces:
-            chunk_ids = tuple(range(next_id, next_id + len(spans)))
-            next_id += len(spans)
+            chunk_ids = tuple(next(fresh) for _ in spans)
             for cid, span in zip(chunk_ids, spans, strict=True):
                 token_ids[cid] = self.engine.tokenize(module_text(span.text))
                 records[cid] = ChunkRecord(doc_id, span.text, len(token_ids[cid]), span.start_char, span.end_char, meta)
-            new_docs[doc_id] = DocRecord(chunk_ids, hashlib.sha256(text.encode()).hexdigest(), meta)
-        self._encode_and_index(records, token_ids, progress)
-        # listed only now: KV writes save the manifest as they go, and an interrupted add must not list a
-        # document whose chunks are not all there
+            new_docs[doc_id] = DocRecord(chunk_ids, _sha256(text), meta)
+        try:
+            self._encode_and_index(records, token_ids, bar)
+        except BaseException:
+            self.index.remove(list(records))  # written KV stays unlisted, or listed dead: removed or compacted later
+            self.kv.delete(records)
+            raise
+        self._forget([d for d in new_docs if d in self.manifest.docs])
         self.manifest.docs.update(new_docs)
         self.manifest.chunks.update(records)
-        self.save()
-        return ids
+        self.commit()
 
     def _encode_and_index(
-        self, records: dict[int, ChunkRecord], token_ids: dict[int, list[int]], progress: bool, batch: int = 32
+        self, records: dict[int, ChunkRecord], token_ids: dict[int, list[int]], bar: tqdm, batch: int = 32
     ) -> None:
         conditioned = resolve_mode(self.mode).conditioned
         items = sorted(records.items(), key=lambda kv: kv[1].n_tokens)  # similar lengths batch with little padding
-        bar = tqdm(total=len(items), desc="encoding chunks", unit="chunk", disable=not progress)
         for i in range(0, len(items), batch):
             part = items[i : i + batch]
             texts = [module_text(r.text) for _, r in part]
@@ -227,22 +403,31 @@ class DocumentStore:
             self.kv.put_many({cid: chunk.kv for (cid, _), chunk in zip(part, chunks, strict=True)})
             self.index.add([cid for cid, _ in part], self.embedder.embed_documents([r.text for _, r in part]))
             bar.update(len(part))
-        bar.close()
 
     def delete(self, doc_ids: Iterable[str], *, save: bool = True) -> int:
-        """Remove documents and their chunks; return how many chunks were removed. Unknown ids raise."""
+        """Remove documents and their chunks; return how many chunks were removed. Unknown ids raise.
+
+        ``save=False`` leaves the change uncommitted (``commit`` later, or ``close`` to drop it).
+        """
         doc_ids = list(doc_ids)
-        unknown = [d for d in doc_ids if d not in self.manifest.docs]
-        if unknown:
-            msg = f"unknown document ids: {unknown[:5]}"
-            raise StoreError(msg)
+        with self._write_mutex:
+            unknown = [d for d in doc_ids if d not in self.manifest.docs]
+            if unknown:
+                msg = f"unknown document ids: {unknown[:5]}"
+                raise StoreError(msg)
+            self._begin_write()
+            removed = self._forget(doc_ids)
+            if save:
+                self.commit()
+            return removed
+
+    def _forget(self, doc_ids: list[str]) -> int:
+        """Drop documents, their chunks, index entries and KV from the store in memory; return the chunk count."""
         chunk_ids = [c for d in doc_ids for c in self.manifest.docs.pop(d).chunk_ids]
         for cid in chunk_ids:
             self.manifest.chunks.pop(cid, None)
         self.index.remove(chunk_ids)
         self.kv.delete(chunk_ids)
-        if save:
-            self.save()
         return len(chunk_ids)
 
     def update(self, doc_id: str, text: str, metadata: dict[str, Any] | None = None) -> None:
@@ -257,9 +442,11 @@ class DocumentStore:
         if k < 1:
             msg = f"k must be at least 1, got {k}"
             raise StoreError(msg)
-        hits = self.index.search(self.embedder.embed_query(query), k) if len(self.index) else []
-        # a hit missing from the manifest was indexed by an interrupted write that never reached it
-        return reorder([self.handle(cid, score) for cid, score in hits if cid in self.manifest.chunks], order)
+        self.refresh()
+        index, chunks = self.index, self.manifest.chunks
+        hits = index.search(self.embedder.embed_query(query), k) if len(index) else []
+        # a hit not (yet) listed belongs to a write in progress in this process
+        return reorder([self.handle(cid, score) for cid, score in hits if cid in chunks], order)
 
     def chunks(self, handles: Sequence[ModuleHandle]) -> list[Chunk]:
         """The engine chunks (token ids and KV) behind ``handles``, in the given order."""
@@ -337,11 +524,6 @@ class DocumentStore:
             parsed.before, chunks, parsed.after, None if full else (mode or self.mode), **kwargs
         )
 
-    def save(self) -> None:
-        """Persist index then manifest (the manifest is the commit point; KV shards are already on disk)."""
-        self.index.save(self.directory / INDEX_NAME)
-        self.manifest.save(self.directory / MANIFEST_NAME)
-
 
 def module_text(chunk: str) -> str:
     """The text a chunk is encoded as: the chunk, then a blank line separating it from the next one."""
@@ -389,3 +571,93 @@ def _warn_if_serving_changed(directory: Path, recorded: dict[str, str], now: dic
 
 def _doc_id(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class RepairReport:
+    """What ``DocumentStore.repair`` changed."""
+
+    dropped_documents: tuple[str, ...]  # missing a chunk or its KV: add them again
+    orphan_chunks: int  # KV entries of no listed chunk, deleted
+    orphan_index_entries: int
+    reindexed_chunks: int  # listed chunks the index lacked, embedded again
+    leftover_files: int  # files of interrupted writes, removed
+    freed_bytes: int
+
+    def __str__(self) -> str:
+        dropped = f" ({', '.join(self.dropped_documents[:5])}{', ...' if len(self.dropped_documents) > 5 else ''})"
+        return (
+            f"dropped {len(self.dropped_documents)} damaged documents{dropped if self.dropped_documents else ''}, "
+            f"{self.orphan_chunks} orphan KV entries and {self.orphan_index_entries} orphan index entries; "
+            f"re-indexed {self.reindexed_chunks} chunks; removed {self.leftover_files} leftover files; "
+            f"freed {self.freed_bytes / 2**20:.1f} MiB"
+        )
+
+
+def _parts(pieces: list[Any], chunks_per_part: int) -> list[list[Any]]:
+    """``pieces`` (documents with their ``spans`` last) in runs of about ``chunks_per_part`` chunks (0: one run)."""
+    if chunks_per_part <= 0:
+        return [pieces] if pieces else []
+    parts: list[list[Any]] = [[]]
+    count = 0
+    for piece in pieces:
+        if count >= chunks_per_part:
+            parts.append([])
+            count = 0
+        parts[-1].append(piece)
+        count += len(piece[-1])
+    return parts if parts[0] else []
+
+
+def _read_commit(directory: Path, attempts: int = 5) -> tuple[Manifest, VectorIndex]:
+    """The committed manifest and the index it names, read consistently while a writer may be committing."""
+    for attempt in range(attempts):
+        manifest = Manifest.load(directory / MANIFEST_NAME)
+        try:
+            return manifest, _load_index(directory, manifest)
+        except StoreCorruptedError:
+            moved = Manifest.load(directory / MANIFEST_NAME).generation != manifest.generation
+            if not moved or attempt == attempts - 1:
+                raise
+    raise AssertionError("unreachable")
+
+
+def _load_index(directory: Path, manifest: Manifest) -> VectorIndex:
+    if manifest.index is None:  # format 1
+        return VectorIndex.load(directory / LEGACY_INDEX_NAME)
+    path = directory / manifest.index.name
+    try:
+        actual = sha256_file(path)
+    except FileNotFoundError as e:
+        msg = f"vector index file is missing: {path}"
+        raise StoreCorruptedError(msg) from e
+    if actual != manifest.index.sha256:
+        msg = f"vector index file {path} does not match its checksum (sha256 {actual[:12]}…); run `pc-rag store repair`"
+        raise StoreCorruptedError(msg)
+    return VectorIndex.load(path)
+
+
+def _manifest_stamp(directory: Path) -> tuple[int, int, int] | None:
+    """What changes when the manifest is replaced: inode, size, modification time."""
+    try:
+        st = (directory / MANIFEST_NAME).stat()
+    except FileNotFoundError:
+        return None
+    return st.st_ino, st.st_size, st.st_mtime_ns
+
+
+def _storage_dtype(directory: Path, model_dtype: str) -> torch.dtype:
+    """The KV storage dtype a manifest records as ``compute/storage``."""
+    name = model_dtype.split("/")[-1]
+    if name not in STORAGE_DTYPES:
+        msg = f"store manifest in {directory} records KV storage dtype {name!r}; known: {', '.join(STORAGE_DTYPES)}"
+        raise StoreCorruptedError(msg)
+    return STORAGE_DTYPES[name]
+
+
+def _bytes_on_disk(directory: Path) -> int:
+    return sum(p.stat().st_size for p in directory.rglob("*") if p.is_file())
+
+
+def _sha256(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()

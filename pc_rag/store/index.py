@@ -15,15 +15,18 @@ Kinds:
   ids natively (an ``IndexIDMap2`` over IVF returns wrong ids after a removal).
 
 Files hold a small JSON header (kind and parameters) then the index as
-``faiss.write_index`` writes it; no pickle. Not thread-safe for writes. This
-module knows nothing about texts, chunks or KV: ids are the caller's.
+``faiss.write_index`` writes it; no pickle. Thread-safe: one lock around every
+use of the FAISS index (FAISS cannot add and search at once). This module
+knows nothing about texts, chunks or KV: ids are the caller's.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
-from collections.abc import Iterable
+import threading
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -39,6 +42,17 @@ KINDS = ("flat", "hnsw", "ivf")
 FORMAT_VERSION = 1
 _MAGIC = b"PCRAGVI\x01"
 _IVF_POINTS_PER_CELL = 39  # FAISS warns below 39 training points per centroid
+
+
+def _locked(method: Callable) -> Callable:
+    """Run ``method`` holding the index's lock."""
+
+    @functools.wraps(method)
+    def wrapper(self: VectorIndex, *args: object, **kwargs: object) -> object:
+        with self._lock:
+            return method(self, *args, **kwargs)
+
+    return wrapper
 
 
 @dataclass(frozen=True)
@@ -76,6 +90,7 @@ class VectorIndex:
         self._index = self._empty()
         self._ids: set[int] = set()
         self._tombstones: set[int] = set()
+        self._lock = threading.RLock()
 
     @property
     def kind(self) -> str:
@@ -96,9 +111,11 @@ class VectorIndex:
     def __contains__(self, chunk_id: object) -> bool:
         return chunk_id in self._ids
 
+    @_locked
     def ids(self) -> list[int]:
         return sorted(self._ids)
 
+    @_locked
     def add(self, ids: Iterable[int], vectors: np.ndarray) -> None:
         """Add ``vectors`` [N, dim] under ``ids`` [N]; ids must be new (remove them first to replace)."""
         id_array = np.fromiter(ids, dtype=np.int64)
@@ -121,6 +138,7 @@ class VectorIndex:
         if not self.trained and len(self) >= self.config.train_size:
             self._train_ivf()
 
+    @_locked
     def remove(self, ids: Iterable[int]) -> int:
         """Remove ``ids`` (unknown ones are ignored); return how many were removed."""
         gone = {int(i) for i in ids} & self._ids
@@ -137,6 +155,7 @@ class VectorIndex:
         """The ``k`` best ``(id, inner product)`` pairs for one query [dim], best first (all of them if k > len)."""
         return self.search_many(np.asarray(vector, dtype=np.float32).reshape(1, -1), k)[0]
 
+    @_locked
     def search_many(self, queries: np.ndarray, k: int) -> list[list[tuple[int, float]]]:
         """``search`` for each row of ``queries`` [Q, dim]; IVF and HNSW may return fewer than k (approximate)."""
         if k < 1:
@@ -154,6 +173,7 @@ class VectorIndex:
             for row_s, row_i in zip(scores, labels, strict=True)
         ]
 
+    @_locked
     def compact(self) -> None:
         """Rebuild an HNSW graph without its tombstoned entries (a no-op otherwise)."""
         if not self._tombstones:
@@ -165,6 +185,7 @@ class VectorIndex:
         self._index.add_with_ids(vectors[keep], ids[keep])
         self._tombstones.clear()
 
+    @_locked
     def save(self, path: str | Path) -> None:
         """Write the index to ``path`` atomically (compacting first)."""
         self.compact()
@@ -199,7 +220,7 @@ class VectorIndex:
             msg = f"vector index file {path} is damaged: {e}"
             raise StoreCorruptedError(msg) from e
         out = cls.__new__(cls)
-        out.config, out._tombstones = config, set()
+        out.config, out._tombstones, out._lock = config, set(), threading.RLock()
         out._index = out._configure(index)
         out._ids = {int(i) for i in _ids_of(index)}
         if index.d != config.dim or len(out._ids) != index.ntotal:
@@ -238,6 +259,7 @@ class VectorIndex:
             raise ValueError(msg)
         return matrix
 
+    @_locked
     def tune(self, *, ef_search: int | None = None, nprobe: int | None = None) -> None:
         """Change search breadth (HNSW ``ef_search``, IVF ``nprobe``): more recall, slower search."""
         changes = {"ef_search": ef_search, "nprobe": nprobe}

@@ -7,8 +7,13 @@ positions the keys were rotated at). Every write is a new shard, moved into
 place atomically, and only then listed in the manifest with its sha256: a
 crash leaves the previous store. Deleting marks entries dead; ``compact()``
 rewrites shards without them. A shard's checksum is verified the first time
-it is opened in a process. Nothing is ever pickled or ``torch.load``-ed. This
-module knows nothing about models, RoPE or retrieval: KV arrives finished.
+it is opened in a process, outside the lock readers of other shards need.
+Nothing is ever pickled or ``torch.load``-ed. This module knows nothing about
+models, RoPE or retrieval: KV arrives finished.
+
+Who saves the manifest: a ``KVStore`` that loaded its own saves it on every
+change. Given a manifest (``DocumentStore`` passes its own), it only changes
+the shard table in memory, and the owner commits it with everything else.
 """
 
 from __future__ import annotations
@@ -31,13 +36,13 @@ from pc_rag.errors import StoreCorruptedError
 from pc_rag.kv import SpanKV
 from pc_rag.store._atomic import fsync_dir, fsync_file, sha256_file, staged
 from pc_rag.store._lru import ByteLRU
+from pc_rag.store.files import SHARD_DIR, unlisted
 from pc_rag.store.manifest import MANIFEST_NAME, Manifest, ShardRecord
 
 logger = logging.getLogger(__name__)
 
-STORAGE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+STORAGE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT_LRU_BYTES = 512 << 20
-SHARD_DIR = "kv"
 
 
 class KVStore:
@@ -46,9 +51,9 @@ class KVStore:
     ``dtype`` is the storage dtype, ``compute_dtype`` (default: ``dtype``) what
     ``get`` returns. Spans returned by ``get`` are shared with the LRU: treat
     them as read-only. ``manifest`` lets a caller share its ``Manifest`` (by
-    default ``<directory>/manifest.json`` is loaded, or a new one started); it
-    is rewritten on every change, so batch writes with ``put_many``. One writer
-    process at a time.
+    default ``<directory>/manifest.json`` is loaded, or a new one started, and
+    rewritten on every change: batch writes with ``put_many``). Thread-safe;
+    one writer process at a time.
     """
 
     def __init__(
@@ -61,19 +66,21 @@ class KVStore:
         device: str | torch.device = "cpu",
         manifest: Manifest | None = None,
     ) -> None:
-        if dtype not in STORAGE_DTYPES:
-            msg = f"KV storage dtype must be one of {STORAGE_DTYPES}, got {dtype}"
+        if dtype not in STORAGE_DTYPES.values():
+            msg = f"KV storage dtype must be one of {', '.join(STORAGE_DTYPES)}, got {dtype}"
             raise ValueError(msg)
         self.directory = Path(directory)
         self.dtype = dtype
         self.compute_dtype = compute_dtype or dtype
         self.device = torch.device(device)
         path = self.directory / MANIFEST_NAME
+        self._owns_manifest = manifest is None
         self.manifest = manifest if manifest is not None else Manifest.load(path) if path.exists() else Manifest()
         self._where = self._locate()
         self._handles: dict[str, Any] = {}  # shard name -> open safe_open (mmap)
         self._lru: ByteLRU[SpanKV] = ByteLRU(lru_bytes, _span_bytes)
-        self._lock = threading.RLock()
+        self._lock = threading.RLock()  # the shard table, handles and LRU
+        self._opening: dict[str, threading.Lock] = {}  # shard name -> held while its checksum is verified
 
     def __len__(self) -> int:
         return len(self._where)
@@ -129,12 +136,12 @@ class KVStore:
             if name is None:
                 msg = f"chunk {chunk_id} is not in the KV store at {self.directory}"
                 raise KeyError(msg)
-            keys, values, positions = self._read(name, chunk_id)
-            span = SpanKV(
-                keys.to(self.device, self.compute_dtype), values.to(self.device, self.compute_dtype), positions
-            )
-            self._lru.put(chunk_id, span)
-            return span
+        keys, values, positions = self._read(name, chunk_id)
+        span = SpanKV(keys.to(self.device, self.compute_dtype), values.to(self.device, self.compute_dtype), positions)
+        with self._lock:
+            if self._where.get(chunk_id) == name:  # not replaced or deleted while we read
+                self._lru.put(chunk_id, span)
+        return span
 
     def get_many(self, chunk_ids: Iterable[int]) -> list[SpanKV]:
         """``get`` for each id, in order."""
@@ -151,7 +158,11 @@ class KVStore:
             return len(gone)
 
     def compact(self) -> int:
-        """Rewrite shards holding dead entries without them, drop stray files; return bytes freed on disk."""
+        """Rewrite shards holding dead entries without them; return the bytes this frees on disk.
+
+        Owning its manifest, the store commits and removes the retired shards and stray files; a shared
+        manifest's owner does that after its own commit (the retired shards are then unlisted files).
+        """
         with self._lock:
             before = self.nbytes
             shards = dict(self.manifest.shards)
@@ -166,16 +177,22 @@ class KVStore:
             self._commit(shards, written=[n for n in shards if n not in self.manifest.shards])
             for name in retired:
                 self._handles.pop(name, None)
-            listed = {self.directory / n for n in shards}
-            for stray in (self.directory / SHARD_DIR).glob("*"):
-                if stray not in listed:
+            if self._owns_manifest:
+                for stray in unlisted(self.directory, self.manifest.listed_files()):
                     logger.info("removing %s: not listed in the manifest", stray)
                     stray.unlink(missing_ok=True)
             return before - self.nbytes
 
+    def reload(self) -> None:
+        """Follow ``manifest`` after its owner replaced it or its contents: new shard table, fresh LRU."""
+        with self._lock:
+            self._where = self._locate()
+            self._handles = {n: h for n, h in self._handles.items() if n in self.manifest.shards}
+            self._lru.clear()
+
     def verify(self) -> None:
         """Check every shard against its recorded sha256; ``StoreCorruptedError`` naming each bad one."""
-        problems = [p for name in sorted(self.manifest.shards) if (p := self._problem(name))]
+        problems = [p for name in sorted(self.manifest.shards) if (p := self.problem(name))]
         if problems:
             msg = f"KV store at {self.directory} is damaged: " + "; ".join(problems)
             raise StoreCorruptedError(msg)
@@ -214,12 +231,14 @@ class KVStore:
         return name, record
 
     def _commit(self, shards: dict[str, ShardRecord], written: Iterable[str] = ()) -> None:
-        """Make ``shards`` the shard table and save the manifest; on failure keep the old table and drop ``written``."""
+        """Make ``shards`` the shard table (and save the manifest if this store owns it; on failure keep the old
+        table and drop ``written``)."""
         old = dict(self.manifest.shards)
         self.manifest.shards.clear()
         self.manifest.shards.update(shards)
         try:
-            self.manifest.save(self.directory / MANIFEST_NAME)
+            if self._owns_manifest:
+                self.manifest.save(self.directory / MANIFEST_NAME)
         except BaseException:
             self.manifest.shards.clear()
             self.manifest.shards.update(old)
@@ -229,10 +248,18 @@ class KVStore:
         self._where = self._locate()
 
     def _open(self, name: str) -> Any:
-        """The mmap handle of shard ``name``, verifying its checksum on first open."""
-        handle = self._handles.get(name)
-        if handle is None:
-            if problem := self._problem(name):
+        """The mmap handle of shard ``name``, verifying its checksum on first open (only this shard's readers wait)."""
+        with self._lock:
+            handle = self._handles.get(name)
+            if handle is not None:
+                return handle
+            opening = self._opening.setdefault(name, threading.Lock())
+        with opening:
+            with self._lock:
+                handle = self._handles.get(name)
+            if handle is not None:
+                return handle
+            if problem := self.problem(name):
                 msg = f"KV store at {self.directory} is damaged: {problem}"
                 raise StoreCorruptedError(msg)
             try:
@@ -240,16 +267,20 @@ class KVStore:
             except (OSError, SafetensorError) as e:
                 msg = f"KV shard {name} in {self.directory} cannot be opened: {e}"
                 raise StoreCorruptedError(msg) from e
-            self._handles[name] = handle
-        return handle
+            with self._lock:
+                self._handles[name] = handle
+            return handle
 
-    def _problem(self, name: str) -> str | None:
+    def problem(self, name: str) -> str | None:
         """What is wrong with shard ``name`` on disk, or None."""
         path = self.directory / name
         if not path.is_file():
             return f"shard {name} is missing (rebuild the store, or restore the file)"
         actual = sha256_file(path)
-        if actual != self.manifest.shards[name].sha256:
+        record = self.manifest.shards.get(name)
+        if record is None:
+            return f"shard {name} is no longer listed in the manifest (the store changed; load it again)"
+        if actual != record.sha256:
             return f"shard {name} does not match its checksum (sha256 {actual[:12]}…); rebuild the store"
         return None
 

@@ -19,10 +19,11 @@ from typing import Any
 
 from pc_rag.errors import StoreCorruptedError, StoreError, StoreMismatchError
 from pc_rag.store._atomic import atomic_write
+from pc_rag.store.files import LEGACY_INDEX_NAME, check_index_name, check_shard_name
 
 logger = logging.getLogger(__name__)
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: versioned index file with a checksum, commit generation
 MANIFEST_NAME = "manifest.json"
 
 
@@ -75,21 +76,45 @@ class ShardRecord:
     dead: tuple[int, ...] = ()
 
 
+@dataclass(frozen=True)
+class IndexRecord:
+    """The vector index file committed with this manifest, and its checksum."""
+
+    name: str
+    sha256: str
+
+
 @dataclass
 class Manifest:
-    """Store contents. ``chunks`` by chunk id, ``docs`` by doc id, ``shards`` by file name relative to the store."""
+    """Store contents. ``chunks`` by chunk id, ``docs`` by doc id, ``shards`` by file name relative to the store.
+
+    ``generation`` counts commits; ``index`` is ``None`` for a new store and for format 1 (``index.faiss``).
+    """
 
     identity: StoreIdentity | None = None
     chunks: dict[int, ChunkRecord] = field(default_factory=dict)
     docs: dict[str, DocRecord] = field(default_factory=dict)
     shards: dict[str, ShardRecord] = field(default_factory=dict)
     serving: dict[str, str] = field(default_factory=dict)  # what answers assume beyond the KV, e.g. "adapter"
+    index: IndexRecord | None = None
+    generation: int = 0
+    next_id: int = 0  # chunk ids below it were handed out once and are never reused
     format_version: int = FORMAT_VERSION
 
+    def listed_files(self) -> set[str]:
+        """Every file (relative to the store) this manifest commits: its shards and its index file."""
+        return {*self.shards, self.index.name if self.index else LEGACY_INDEX_NAME}
+
     def next_chunk_id(self) -> int:
-        """A chunk id not used by any chunk or shard entry."""
+        """A chunk id never handed out by this store (not even to a chunk since deleted and compacted away)."""
         used = [max(self.chunks, default=-1)] + [max(s.chunk_ids, default=-1) for s in self.shards.values()]
-        return max(used) + 1
+        return max(max(used) + 1, self.next_id)
+
+    def reserve_chunk_ids(self, n: int) -> range:
+        """``n`` fresh chunk ids, never to be handed out again (once this manifest is saved)."""
+        start = self.next_chunk_id()
+        self.next_id = start + n
+        return range(start, start + n)
 
     def to_json(self) -> str:
         """The manifest as JSON text; ``StoreError`` if some metadata is not JSON-serializable."""
@@ -100,6 +125,9 @@ class Manifest:
             "docs": {d: asdict(r) for d, r in self.docs.items()},
             "shards": {name: asdict(s) for name, s in sorted(self.shards.items())},
             "serving": dict(sorted(self.serving.items())),
+            "index": asdict(self.index) if self.index else None,
+            "generation": self.generation,
+            "next_id": self.next_id,
         }
         try:
             return json.dumps(data, ensure_ascii=False, indent=1, allow_nan=False)
@@ -108,7 +136,8 @@ class Manifest:
             raise StoreError(msg) from e
 
     def save(self, path: str | Path) -> None:
-        """Write atomically to ``path`` (a store directory's ``manifest.json``)."""
+        """Write atomically to ``path`` (a store directory's ``manifest.json``), as the current format."""
+        self.format_version = FORMAT_VERSION
         text = self.to_json().encode()
         atomic_write(Path(path), lambda f: f.write(text))
 
@@ -132,13 +161,16 @@ class Manifest:
             )
             raise StoreError(msg)
         try:
-            identity = data.get("identity")
+            identity, index = data.get("identity"), data.get("index")
             return cls(
                 identity=StoreIdentity(**identity) if identity is not None else None,
                 chunks={int(i): ChunkRecord(**c) for i, c in data["chunks"].items()},
                 docs={d: DocRecord(**{**r, "chunk_ids": tuple(r["chunk_ids"])}) for d, r in data["docs"].items()},
-                shards={n: _shard(s) for n, s in data["shards"].items()},
+                shards={check_shard_name(n): _shard(s) for n, s in data["shards"].items()},
                 serving={str(k): str(v) for k, v in data.get("serving", {}).items()},
+                index=IndexRecord(check_index_name(index["name"]), str(index["sha256"])) if index else None,
+                generation=int(data.get("generation", 0)),
+                next_id=int(data.get("next_id", 0)),
                 format_version=version,
             )
         except (KeyError, TypeError, ValueError, AttributeError) as e:

@@ -1,0 +1,63 @@
+"""What a store directory holds, by name: the manifest, versioned index files, KV shards, the writer's lock.
+
+``manifest.json`` is the commit point: it names the one index file and the
+shards that make up the store. Anything else in the directory that looks like
+ours (an index file or shard it does not name, a temp file) is left over from
+an interrupted or superseded write. Readers ignore such files; only the writer,
+holding the lock, removes them. Names read from a manifest are validated here,
+so a damaged or hostile manifest cannot point outside the store.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from pc_rag.errors import StoreCorruptedError
+
+LOCK_NAME = ".writer.lock"
+SHARD_DIR = "kv"
+LEGACY_INDEX_NAME = "index.faiss"  # format 1: one index file, rewritten in place, no checksum
+
+_SHARD = re.compile(rf"{SHARD_DIR}/\d{{8}}-[0-9a-f]{{8}}\.safetensors")
+_INDEX = re.compile(r"index-\d{8}\.faiss")
+
+
+def index_name(generation: int) -> str:
+    """The index file committed with manifest ``generation``."""
+    return f"index-{generation:08d}.faiss"
+
+
+def check_shard_name(name: str) -> str:
+    """``name`` if it is a shard name this store could have written; ``StoreCorruptedError`` otherwise."""
+    if not _SHARD.fullmatch(name):
+        msg = f"the store manifest lists a KV shard named {name!r}, which is not a shard name (kv/NNNNNNNN-xxxxxxxx)"
+        raise StoreCorruptedError(msg)
+    return name
+
+
+def check_index_name(name: str) -> str:
+    """``name`` if it is an index file name this store could have written; ``StoreCorruptedError`` otherwise."""
+    if not (_INDEX.fullmatch(name) or name == LEGACY_INDEX_NAME):
+        msg = f"the store manifest names the index file {name!r}, which is not an index name (index-NNNNNNNN.faiss)"
+        raise StoreCorruptedError(msg)
+    return name
+
+
+def unlisted(directory: Path, listed: set[str]) -> list[Path]:
+    """Files of ours in ``directory`` that ``listed`` (names relative to it) does not contain.
+
+    Shards, index files and temp files of interrupted writes; never the manifest, the lock or a user's file.
+    """
+    candidates = [*directory.glob(f"{SHARD_DIR}/*"), *directory.glob("index*.faiss"), *directory.glob(".*.tmp")]
+    ours = [p for p in candidates if p.is_file() and _is_ours(p.relative_to(directory).as_posix())]
+    return sorted(p for p in ours if p.relative_to(directory).as_posix() not in listed)
+
+
+def _is_ours(name: str) -> bool:
+    return bool(
+        _SHARD.fullmatch(name)
+        or _INDEX.fullmatch(name)
+        or name == LEGACY_INDEX_NAME
+        or (name.rsplit("/", 1)[-1].startswith(".") and name.endswith(".tmp"))
+    )
