@@ -1,4 +1,4 @@
-"""The ``pc-rag`` command line: ``demo``, ``index``, ``ask``, ``bench ttft|peers|memory`` and ``eval``.
+"""The ``pc-rag`` command line: ``demo``, ``index``, ``ask``, ``store``, ``bench``, ``eval`` and ``tune``.
 
 The CLI knows nothing about how serving works; it parses arguments, calls the
 engine and prints.
@@ -10,34 +10,47 @@ import argparse
 import logging
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 from pc_rag.errors import PCRagError
 
 
+class _Parser(argparse.ArgumentParser):
+    """Argument errors as one line naming the problem (``pc-rag: error: …``, exit code 2), without the usage."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"pc-rag: error: {self.prog.removeprefix('pc-rag ')}: {message} (see --help)\n")
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="pc-rag", description="Prompt Cache for retrieval-augmented QA.")
+    parser = _Parser(prog="pc-rag", description="Prompt Cache for retrieval-augmented QA.")
     parser.add_argument("--model", default=None, help="bundled model name, .gguf file or local HF directory")
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("-v", "--verbose", action="store_true")
     commands = parser.add_subparsers(dest="command", required=True)
     demo = commands.add_parser("demo", help="build a store from sample passages and answer, cached vs full")
     demo.add_argument("--questions", type=int, default=4)
-    idx = commands.add_parser("index", help="add text, markdown or JSONL files to a document store")
-    idx.add_argument("paths", nargs="+")
-    idx.add_argument("--store", type=Path, required=True)
-    idx.add_argument("--chunk-tokens", type=int, default=256)
-    idx.add_argument("--overlap", type=int, default=32)
-    idx.add_argument("--mode", default="default", help="recovery mode the store encodes for")
-    idx.add_argument("--index-kind", default="flat", choices=["flat", "hnsw", "ivf"])
-    idx.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="KV storage")
-    idx.add_argument("--limit", type=int, default=None, help="index only the first N documents")
+    idx = commands.add_parser("index", help="add text, markdown or JSONL files to a document store (resumable)")
+    idx.add_argument("paths", nargs="+", help="files or directories (.txt, .md, .rst, .jsonl; see the README)")
+    idx.add_argument("--store", type=Path, required=True, help="store directory (created if new or empty)")
+    idx.add_argument("--chunk-tokens", type=_positive, default=None, help="tokens per chunk (new store; default 256)")
+    idx.add_argument("--overlap", type=_non_negative, default=None,
+                     help="tokens shared by consecutive chunks (new store; default 32)")  # fmt: skip
+    idx.add_argument("--mode", default=None, help="recovery mode the store encodes for (new store; default: default)")
+    idx.add_argument("--index-kind", default=None, choices=["flat", "hnsw", "ivf"], help="new store; default flat")
+    idx.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                     help="KV storage (new store; default float32)")  # fmt: skip
+    idx.add_argument("--limit", type=_positive, default=None, help="index only the first N documents")
     ask = commands.add_parser("ask", help="answer a question from a document store")
     ask.add_argument("question")
-    ask.add_argument("--store", type=Path, required=True)
-    ask.add_argument("-k", type=int, default=5, help="chunks to retrieve")
+    ask.add_argument("--store", type=Path, required=True, help="store directory")
+    ask.add_argument("-k", type=_positive, default=5, help="chunks to retrieve (default 5)")
     ask.add_argument("--mode", default=None, help="recovery mode (default: the store's)")
     ask.add_argument("--full", action="store_true", help="also answer by full prefill and print its TTFT")
-    ask.add_argument("--max-new-tokens", type=int, default=64)
+    ask.add_argument("--max-new-tokens", type=_positive, default=64, help="answer length limit (default 64)")
+    store = commands.add_parser("store", help="verify (read-only), repair or compact a document store")
+    store.add_argument("action", choices=["verify", "repair", "compact"])
+    store.add_argument("--store", type=Path, required=True, help="store directory")
     bench = commands.add_parser("bench", help="benchmarks")
     bench_kinds = bench.add_subparsers(dest="kind", required=True)
     ttft = bench_kinds.add_parser("ttft", help="TTFT of cached vs full prefill by context length")
@@ -69,23 +82,66 @@ def _run(args: argparse.Namespace) -> int:
 
     if args.command == "bench" and args.kind in ("ttft", "peers"):
         _lengths(args.tokens)  # refuse bad lengths before the model loads
+    from pc_rag import commands
+
+    docs = None
+    if args.command == "index":  # read and check everything before the model loads or anything is written
+        from pc_rag.store.ingest import read_documents
+
+        overlap, chunk = args.overlap, args.chunk_tokens
+        if overlap is not None and overlap >= (chunk or commands.CREATION_DEFAULTS["chunk_tokens"]):
+            msg = f"--overlap {overlap} must be smaller than --chunk-tokens {chunk or 256}"
+            raise PCRagError(msg)
+        commands.check_store_target(args.store, must_exist=False)
+        docs = read_documents(args.paths)[: args.limit]
+    elif args.command in ("ask", "store"):
+        commands.check_store_target(args.store, must_exist=True)
+        if args.command == "ask" and not args.question.strip():
+            msg = "the question is empty"
+            raise PCRagError(msg)
     lm = load_model(args.model or DEFAULT_MODEL, device=args.device)
     if args.command == "tune":
         return _run_tune(args, lm)
-    if args.command in ("demo", "index", "ask"):
-        from pc_rag import commands
-
-        if args.command == "demo":
-            commands.demo(lm, args.questions)
-        elif args.command == "index":
-            commands.index(lm, args.paths, args.store, chunk_tokens=args.chunk_tokens, overlap=args.overlap,
-                           mode=args.mode, index_kind=args.index_kind, dtype=args.dtype, limit=args.limit)  # fmt: skip
-        else:
-            commands.ask(lm, args.store, args.question, k=args.k, mode=args.mode, compare_full=args.full,
-                         max_new_tokens=args.max_new_tokens)  # fmt: skip
+    if args.command == "demo":
+        commands.demo(lm, args.questions)
+    elif args.command == "index":
+        assert docs is not None
+        commands.index(lm, docs, args.store, chunk_tokens=args.chunk_tokens, overlap=args.overlap, mode=args.mode,
+                       index_kind=args.index_kind, dtype=args.dtype)  # fmt: skip
+    elif args.command == "ask":
+        commands.ask(lm, args.store, args.question, k=args.k, mode=args.mode, compare_full=args.full,
+                     max_new_tokens=args.max_new_tokens)  # fmt: skip
+    elif args.command == "store":
+        commands.store_maintenance(lm, args.action, args.store)
     elif args.command == "bench":
         _run_bench(args, lm)
     return 0
+
+
+def _positive(text: str) -> int:
+    """An argparse type: an integer >= 1."""
+    value = _integer(text)
+    if value < 1:
+        msg = f"must be at least 1, got {value}"
+        raise argparse.ArgumentTypeError(msg)
+    return value
+
+
+def _non_negative(text: str) -> int:
+    """An argparse type: an integer >= 0."""
+    value = _integer(text)
+    if value < 0:
+        msg = f"must be 0 or more, got {value}"
+        raise argparse.ArgumentTypeError(msg)
+    return value
+
+
+def _integer(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        msg = f"not an integer: {text!r}"
+        raise argparse.ArgumentTypeError(msg) from None
 
 
 def _run_bench(args: argparse.Namespace, lm: object) -> None:

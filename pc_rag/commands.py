@@ -1,4 +1,4 @@
-"""``pc-rag index``, ``ask`` and ``demo``: the document-store jobs behind the CLI.
+"""``pc-rag index``, ``ask``, ``store`` and ``demo``: the document-store jobs behind the CLI.
 
 These functions validate input before anything is written, print results for a
 person, and leave every decision about serving to the store and the engine.
@@ -6,20 +6,22 @@ person, and leave every decision about serving to the store and the engine.
 
 from __future__ import annotations
 
+import sys
 import tempfile
 import time
 from pathlib import Path
 
-import torch
-
-from pc_rag.errors import PCRagError, StoreError
+from pc_rag.errors import StoreError
 from pc_rag.model import LoadedModel
 from pc_rag.rag import RagEngine, RagPrompt
 from pc_rag.store.document_store import DocumentStore
-from pc_rag.store.ingest import read_documents
+from pc_rag.store.files import LOCK_NAME
+from pc_rag.store.ingest import SourceDocument
+from pc_rag.store.kvstore import STORAGE_DTYPES
 from pc_rag.store.manifest import MANIFEST_NAME
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+CREATION_DEFAULTS = {"chunk_tokens": 256, "overlap": 32, "mode": "default", "index_kind": "flat", "dtype": "float32"}
+COMMIT_EVERY_CHUNKS = 512  # a killed `index` loses at most this much work
 
 
 def engine_for(lm: LoadedModel) -> RagEngine:
@@ -27,34 +29,81 @@ def engine_for(lm: LoadedModel) -> RagEngine:
     return RagEngine(lm, RagPrompt.longbench())
 
 
-def index(lm: LoadedModel, paths: list[str], store_dir: Path, *, chunk_tokens: int, overlap: int, mode: str,
-          index_kind: str, dtype: str, limit: int | None) -> None:  # fmt: skip
-    """Read ``paths`` (all of them, before writing), then add them to the store at ``store_dir``."""
-    docs = read_documents(paths)[:limit]
+def check_store_target(store_dir: Path, *, must_exist: bool) -> None:
+    """Refuse a store path that cannot be one, before the model loads or anything is written."""
+    if store_dir.exists() and not store_dir.is_dir():
+        msg = f"--store {store_dir} is a file; a store is a directory"
+        raise StoreError(msg)
+    is_store = (store_dir / MANIFEST_NAME).is_file()
+    if must_exist and not is_store:
+        msg = f"--store {store_dir} is not a pc-rag store (no {MANIFEST_NAME}); build one with `pc-rag index`"
+        raise StoreError(msg)
+    if not is_store and store_dir.is_dir() and any(p.name != LOCK_NAME for p in store_dir.iterdir()):
+        msg = f"--store {store_dir} is a non-empty directory that holds no store; give a new or empty directory"
+        raise StoreError(msg)
+
+
+def index(lm: LoadedModel, docs: list[SourceDocument], store_dir: Path, **options: object) -> None:
+    """Add ``docs`` to the store at ``store_dir`` (created with ``options``, or loaded: options must not differ).
+
+    Unchanged documents are skipped, and a commit follows every ``COMMIT_EVERY_CHUNKS`` chunks: rerunning a
+    killed ``index`` resumes it.
+    """
     engine = engine_for(lm)
-    start = time.perf_counter()
     if (store_dir / MANIFEST_NAME).exists():
         store = DocumentStore.load(store_dir, engine)
+        _note_ignored_options(store, options)
     else:
+        given = {**CREATION_DEFAULTS, **{k: v for k, v in options.items() if v is not None}}
         store = DocumentStore.create(
-            store_dir, engine, chunk_tokens=chunk_tokens, overlap_tokens=overlap, mode=mode,
-            index_kind=index_kind, storage_dtype=DTYPES[dtype],
+            store_dir, engine, chunk_tokens=given["chunk_tokens"], overlap_tokens=given["overlap"],
+            mode=given["mode"], index_kind=given["index_kind"], storage_dtype=STORAGE_DTYPES[given["dtype"]],
         )  # fmt: skip
-    before = len(store)
-    store.add_documents([(d.text, d.metadata) for d in docs], ids=[d.id for d in docs])
-    seconds = time.perf_counter() - start
-    tokens = sum(store.manifest.chunks[c].n_tokens for d in docs for c in store.manifest.docs[d.id].chunk_ids)
-    size = sum(f.stat().st_size for f in store_dir.rglob("*") if f.is_file())
-    print(f"indexed {len(docs)} documents: {len(store) - before} new chunks, {tokens} tokens in {seconds:.1f} s "
-          f"({tokens / seconds:.0f} tokens/s); store {len(store)} chunks, {size / 2**20:.1f} MiB on disk")  # fmt: skip
+    with store:
+        unchanged = sum(store.is_current(d.id, d.text, d.metadata) for d in docs)
+        changed = sum(d.id in store.manifest.docs for d in docs) - unchanged
+        start, before = time.perf_counter(), store.manifest.next_chunk_id()
+        store.add_documents(
+            [(d.text, d.metadata) for d in docs], ids=[d.id for d in docs], commit_every=COMMIT_EVERY_CHUNKS
+        )
+        seconds = time.perf_counter() - start
+        encoded = [c for d in docs for c in store.manifest.docs[d.id].chunk_ids if c >= before]
+        tokens = sum(store.manifest.chunks[c].n_tokens for c in encoded)
+        size = sum(f.stat().st_size for f in store_dir.rglob("*") if f.is_file())
+        print(f"indexed {len(docs)} documents ({len(docs) - changed - unchanged} new, {changed} changed, "
+              f"{unchanged} unchanged and skipped): {len(encoded)} chunks, {tokens} tokens encoded in {seconds:.1f} s; "
+              f"store {len(store)} chunks, {size / 2**20:.1f} MiB on disk")  # fmt: skip
+
+
+def _note_ignored_options(store: DocumentStore, options: dict[str, object]) -> None:
+    """Tell the user which creation-only options an existing store ignores."""
+    identity = store.manifest.identity
+    assert identity is not None
+    built = {
+        "chunk_tokens": identity.chunk_tokens, "overlap": identity.overlap_tokens, "mode": store.mode,
+        "index_kind": identity.index_kind, "dtype": identity.model_dtype.split("/")[-1],
+    }  # fmt: skip
+    for name, value in options.items():
+        if value is not None and value != built[name]:
+            flag = "--" + name.replace("_", "-")
+            print(f"pc-rag: note: {flag} {value} ignored: the store was created with {built[name]} and keeps it "
+                  "(these options only apply when a store is created)", file=sys.stderr)  # fmt: skip
+
+
+def store_maintenance(lm: LoadedModel, action: str, store_dir: Path) -> None:
+    """``verify`` (read-only: every checksum and cross-reference), ``repair`` or ``compact`` the store."""
+    with DocumentStore.load(store_dir, engine_for(lm)) as store:
+        if action == "verify":
+            print(store.verify())
+        elif action == "repair":
+            print(f"repaired {store_dir}: {store.repair()}")
+        else:
+            print(f"compacted {store_dir}: freed {store.compact() / 2**20:.1f} MiB")
 
 
 def ask(lm: LoadedModel, store_dir: Path, question: str, *, k: int, mode: str | None, compare_full: bool,
         max_new_tokens: int) -> None:  # fmt: skip
     """Answer ``question`` from the store; print the answer, its sources and TTFT (and full prefill's)."""
-    if not question.strip():
-        msg = "the question is empty"
-        raise PCRagError(msg)
     store = DocumentStore.load(store_dir, engine_for(lm))
     if k > len(store):
         msg = f"k={k} is larger than the store ({len(store)} chunks)"

@@ -1,8 +1,10 @@
 """Read documents to index from text, markdown and JSONL files.
 
-JSONL lines are either ``{"text": ..., "id"?: ..., "metadata"?: {...}}`` or a
-multi-doc QA example ``{"passages": [{"title", "text"}, ...]}`` whose passages
-each become a document (deduplicated by content). This module knows nothing
+JSONL lines are either ``{"text": ..., "id"?: ..., "metadata"?: {...}, ...}``
+(every other key, and every key of ``metadata``, becomes the document's
+metadata; ``source`` defaults to ``file:line``) or a multi-doc QA example
+``{"passages": [{"title", "text"}, ...]}`` whose passages each become a
+document (deduplicated by content). This module knows nothing
 about chunking, models or stores.
 """
 
@@ -89,7 +91,12 @@ def _read_jsonl(path: Path) -> list[SourceDocument]:
                 meta = {"title": p.get("title", ""), "source": f"{path}:{number}"}
                 docs.append(SourceDocument(_content_id(text), text, meta))
         elif isinstance(row, dict) and isinstance(row.get("text"), str) and row["text"].strip():
-            meta = {"source": f"{path}:{number}", **(row.get("metadata") or {})}
+            nested = row.get("metadata") or {}
+            if not isinstance(nested, dict):
+                msg = f"{path}:{number}: 'metadata' must be an object, got {type(nested).__name__}"
+                raise StoreError(msg)
+            extra = {k: v for k, v in row.items() if k not in ("id", "text", "metadata")}
+            meta = {"source": f"{path}:{number}", **extra, **nested}  # the user's own "source" wins
             docs.append(SourceDocument(str(row.get("id") or _content_id(row["text"])), row["text"], meta))
         else:
             msg = f"{path}:{number}: expected an object with a non-empty 'text' or a 'passages' list"
