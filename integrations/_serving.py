@@ -1,7 +1,8 @@
 """One entry point both framework adapters call: serve a prompt string by the cheapest correct path.
 
 A PML ``<prompt …>`` goes to the Prompt Cache engine (its schema's modules are
-reused); text with module references goes to the document store, which splices
+reused) when the caller gave one, asking for PML; otherwise it is plain text.
+Text with signed module references goes to the document store, which splices
 the referenced chunks; any other text is served by full prefill through the
 model's chat template, so the adapters are always correct LLMs. This module
 knows nothing about LangChain or LlamaIndex.
@@ -27,7 +28,11 @@ SAMPLING_FIELDS = frozenset(SamplingParams.__dataclass_fields__) - {"keep_logits
 
 @dataclass
 class PromptServer:
-    """Serve prompt strings from ``store`` (module references), ``prompt_cache`` (PML) or full prefill."""
+    """Serve prompt strings from ``store`` (module references), ``prompt_cache`` (PML) or full prefill.
+
+    Only a server given a ``prompt_cache`` parses PML: for a store's server, user text that starts with
+    ``<prompt`` is a plain question.
+    """
 
     store: DocumentStore | None = None
     prompt_cache: PromptCache | None = None
@@ -53,10 +58,7 @@ class PromptServer:
     def stream(self, prompt: str, **sampling: object) -> ReplyStream:
         """Text deltas of the reply to ``prompt``; ``sampling`` are ``SamplingParams`` fields."""
         _check_settings(sampling)
-        if prompt.lstrip().startswith("<prompt"):
-            if self.prompt_cache is None:
-                msg = "this is a PML prompt, but no PromptCache (schemas) was given to serve it"
-                raise PCRagError(msg)
+        if self.prompt_cache is not None and prompt.lstrip().startswith("<prompt"):
             return self.prompt_cache.stream(prompt, **sampling)
         if self.store is not None:
             return self.store.stream_prompt(prompt, self.mode, **sampling)

@@ -56,3 +56,15 @@ def test_bad_conversations_are_refused(server: PromptServer) -> None:
         server.stream_chat([("tool", "x")])
     with pytest.raises(PCRagError, match="single user turn"):
         server.stream_chat([("user", f"see {module_ref('ab', 1)}")], "Other system.")
+
+
+def test_pml_is_parsed_only_when_the_caller_asked_for_it(tmp_path, tokenizer) -> None:
+    from test_document_store import make_store
+
+    from pc_rag.rag import RagEngine, RagPrompt
+
+    store = make_store(tmp_path, RagEngine(tiny_model("llama", tokenizer), RagPrompt()))
+    question = '<prompt schema="s"><doc/>What color?</prompt>'  # user text that looks like PML
+    stream = PromptServer(store=store).stream(question, max_new_tokens=2)
+    list(stream)  # a plain question: served by full prefill, no PMLError, no schema lookup
+    assert stream.result.stats.cached_tokens == 0 and stream.result.stats.new_tokens == 2
