@@ -15,6 +15,7 @@ import logging
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -43,6 +44,7 @@ class LoadedModel:
     tokenizer: PreTrainedTokenizerBase
     rope: RopeSpec
     name: str
+    fingerprint_cache: Path | None = None  # where the digest of the weights as loaded from disk is kept
     _fingerprint: str | None = field(default=None, init=False, repr=False)
 
     @property
@@ -58,11 +60,20 @@ class LoadedModel:
         return int(self.model.config.get_text_config().max_position_embeddings)
 
     def fingerprint(self) -> str:
-        """A hash of the config (less local paths), dtype, vocabulary and every weight, computed once: KV, stores
-        and splice adapters are only valid for the same fingerprint, wherever the model was loaded from."""
+        """A hash of the config (less local paths), dtype, vocabulary and every weight: KV, stores and splice
+        adapters are only valid for the same fingerprint, wherever the model was loaded from.
+
+        Computed once per process, and for a model loaded from files, once per files and dtype (kept in
+        ``fingerprint_cache``). Change weights after loading (e.g. merge a LoRA) only on a model built
+        without a cache, or call ``forget_fingerprint`` after.
+        """
         if self._fingerprint is None:
-            self._fingerprint = _fingerprint(self.model, self.tokenizer)
+            self._fingerprint = _cached(self.fingerprint_cache, lambda: _fingerprint(self.model, self.tokenizer))
         return self._fingerprint
+
+    def forget_fingerprint(self) -> None:
+        """Hash the weights again on the next ``fingerprint`` (they changed since loading)."""
+        self._fingerprint, self.fingerprint_cache = None, None
 
 
 def _fingerprint(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> str:
@@ -108,7 +119,38 @@ def load_model(
         raise ModelLoadError(msg) from e
     model.to(device).eval()
     rope = rope_spec_for(model)
-    return LoadedModel(model=model, tokenizer=tokenizer, rope=rope, name=name_or_path)
+    cache = _fingerprint_cache_path(Path(directory), dtype)
+    return LoadedModel(model=model, tokenizer=tokenizer, rope=rope, name=name_or_path, fingerprint_cache=cache)
+
+
+def _fingerprint_cache_path(directory: Path, dtype: torch.dtype) -> Path | None:
+    """Where the fingerprint of the weights in ``directory`` loaded as ``dtype`` is kept, named by the weight
+    files' sizes and modification times (a changed file gets a new name); ``None`` if there are no such files."""
+    weights = sorted(directory.glob("*.safetensors"))
+    if not weights:
+        return None
+    stamp = ",".join(f"{p.name}:{p.stat().st_size}:{p.stat().st_mtime_ns}" for p in weights)
+    key = hashlib.sha256(f"{stamp}|{dtype}".encode()).hexdigest()[:16]
+    return cache_dir() / "fingerprints" / f"{key}.json"
+
+
+def _cached(path: Path | None, compute: Callable[[], str]) -> str:
+    """The digest stored at ``path``, or ``compute()``, stored there (best effort: a read-only cache is fine)."""
+    if path is not None:
+        try:
+            return str(json.loads(path.read_text())["fingerprint"])
+        except (OSError, ValueError, KeyError, TypeError):
+            pass
+    digest = compute()
+    if path is not None:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            staged = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+            staged.write_text(json.dumps({"fingerprint": digest}))
+            os.replace(staged, path)  # readers see the whole file or none
+        except OSError as e:
+            logger.info("could not cache the model fingerprint at %s: %s", path, e)
+    return digest
 
 
 def gguf_file(name_or_path: str) -> Path | None:

@@ -89,3 +89,21 @@ def test_kv_is_never_reused_across_models(tokenizer) -> None:
     with torch.no_grad():  # same config, one attention weight changed (as a merged LoRA would): another fingerprint
         merged.model.get_decoder().layers[0].self_attn.q_proj.weight[0, 0] += 1e-3
     assert merged.fingerprint() != b.fingerprint()
+
+
+def test_the_fingerprint_is_cached_per_weight_files_and_dtype(tmp_path, monkeypatch, tokenizer) -> None:
+    from pc_rag import model as model_module
+
+    monkeypatch.setenv("PC_RAG_CACHE", str(tmp_path / "cache"))
+    lm = tiny_model("llama", tokenizer)
+    lm.model.save_pretrained(tmp_path / "m")
+    tokenizer.save_pretrained(tmp_path / "m")
+    first = model_module.load_model(str(tmp_path / "m"))
+    digest = model_module._fingerprint(first.model, first.tokenizer)
+    assert first.fingerprint() == digest and first.fingerprint_cache.is_file()
+    calls = []
+    monkeypatch.setattr(model_module, "_fingerprint", lambda *a: calls.append(a) or "recomputed")
+    assert model_module.load_model(str(tmp_path / "m")).fingerprint() == digest and not calls  # cached
+    assert model_module.load_model(str(tmp_path / "m"), dtype=torch.bfloat16).fingerprint() == "recomputed"
+    first.forget_fingerprint()  # weights changed after loading: hashed again, not read from the cache
+    assert first.fingerprint() == "recomputed"
