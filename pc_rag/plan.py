@@ -25,11 +25,7 @@ class ServePlan:
     spans: tuple[str, ...]
     new_ids: tuple[int, ...]
     new_positions: tuple[int, ...]
-
-    @property
-    def next_position(self) -> int:
-        """Position of the first generated token: one past every position in the prompt."""
-        return max(self.new_positions, default=-1) + 1
+    next_position: int  # of the first generated token: one past every position in the prompt, cached or not
 
 
 def plan_prompt(
@@ -51,7 +47,8 @@ def plan_prompt(
         # Logits come from computed tokens: with nothing uncached there is nothing to predict from.
         msg = "a prompt needs some uncached text (e.g. a <user> turn or an argument) to answer from"
         raise PMLError(msg, name=prompt.schema)
-    return ServePlan(spans=spans, new_ids=tuple(planner.ids), new_positions=tuple(planner.positions))
+    end = max([max(layout.spans[name].positions, default=-1) for name in spans] + list(planner.positions))
+    return ServePlan(spans, tuple(planner.ids), tuple(planner.positions), next_position=end + 1)
 
 
 class _Planner:

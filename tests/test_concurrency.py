@@ -34,3 +34,25 @@ def test_eight_threads_answer_as_one_does(tmp_path, tokenizer, mode: str) -> Non
         concurrent = list(pool.map(ask, QUESTIONS * 8))
     assert concurrent == serial * 8
     assert len(engine.lm.model.get_decoder().layers) == layers  # the shared model is as it was
+
+
+def test_langchain_ainvoke_and_abatch_answer_as_serial_calls_do(tmp_path, tokenizer) -> None:
+    """LangChain runs ``ainvoke`` and ``abatch`` in executor threads: default mode must survive them."""
+    import asyncio
+
+    from pc_rag.integrations.langchain import PromptCacheLLM
+
+    engine = RagEngine(tiny_model("llama", tokenizer), RagPrompt())
+    store = DocumentStore.create(tmp_path / "store", engine, embedder=embedder(), chunk_tokens=24, overlap_tokens=4)
+    store.add_documents(DOCS, ids=["eiffel", "fuji", "danube"], progress=False)
+    llm = PromptCacheLLM.from_store(store, mode="default", max_tokens=6)
+    refs = ["".join(store.module_ref(h) for h in store.search(q, k=3)) for q in QUESTIONS]
+    prompts = [f"{engine.prompt.preamble}{r}\n{q}" for r, q in zip(refs, QUESTIONS, strict=True)]
+    serial = [llm.invoke(p) for p in prompts]
+
+    async def together() -> tuple[list[str], list[str]]:
+        gathered = await asyncio.gather(*(llm.ainvoke(p) for p in prompts * 4))
+        return list(gathered), await llm.abatch(prompts * 4, config={"max_concurrency": 8})
+
+    gathered, batched = asyncio.run(together())
+    assert gathered == serial * 4 and batched == serial * 4

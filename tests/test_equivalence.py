@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from reference import reference_last_logits
+from reference import independent_sequence, masked_forward, reference_greedy, reference_last_logits
 
 from pc_rag.assemble import move
 from pc_rag.encode import encode_spans
@@ -61,6 +61,56 @@ def test_modules_equal_masked_full_forward(tiny_lm: LoadedModel, case: str) -> N
     prompt = PROMPTS[case]
     cached = pc.generate(prompt, max_new_tokens=1).first_logits
     assert_close(cached, reference_last_logits(pc, prompt))
+
+
+@pytest.mark.parametrize("case", sorted(PROMPTS))
+def test_serving_equals_an_independently_derived_masked_forward(tiny_lm: LoadedModel, case: str) -> None:
+    """The reference above takes ids and positions from the engine's plan; this one derives them from the schema
+    with a second implementation of the PML rules, so a layout bug cannot hide in both."""
+    pc = PromptCache(tiny_lm)
+    pc.add_schema(RICH)
+    prompt = PROMPTS[case]
+
+    def tokenize(text: str) -> list[int]:
+        return tiny_lm.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    with_special, plain = tiny_lm.tokenizer("x")["input_ids"], tokenize("x")
+    bos = with_special[: len(with_special) - len(plain)]
+    cached, prefix, new_ids, new_positions = independent_sequence(RICH, prompt, tokenize, bos)
+    plan = pc.plan(prompt)
+    assert (list(plan.new_ids), list(plan.new_positions)) == (new_ids, new_positions)
+    served = pc.generate(prompt, max_new_tokens=1).first_logits
+    assert_close(served, masked_forward(tiny_lm.model, cached, prefix, new_ids, new_positions))
+
+
+@pytest.mark.parametrize("case", ["modules+param", "scaffold-joint", "argument-only"])
+def test_greedy_decoding_equals_masked_full_forwards(tiny_lm: LoadedModel, case: str) -> None:
+    """Every decoded token, not only the first: each step equals a masked full forward over all before it."""
+    pc = PromptCache(tiny_lm)
+    pc.add_schema(RICH)
+    prompt = ARGUMENT_ONLY if case == "argument-only" else PROMPTS[case]
+    result = pc.generate(prompt, max_new_tokens=6, keep_logits=6)
+    tokens, logits = reference_greedy(pc, prompt, len(result.token_ids))
+    assert result.token_ids == tokens and len(tokens) > 1
+    for actual, expected in zip(result.step_logits, logits, strict=True):
+        assert_close(actual, expected)
+
+
+ARGUMENT_ONLY = Prompt("rich", (Import("plan", (("days", "three"),)), Import("paris")))
+
+
+def test_an_argument_only_prompt_decodes_after_the_whole_schema(tiny_lm: LoadedModel) -> None:
+    """Hand-derived: the argument sits inside ``plan``; the answer starts past the schema's closing anonymous
+    text, the last span the prompt includes (anonymous text always is)."""
+    pc = PromptCache(tiny_lm)
+    layout = pc.add_schema(RICH).layout
+    plan = pc.plan(ARGUMENT_ONLY)
+    days_start, _ = layout.spans["plan"].params["days"]
+    assert plan.new_positions == tuple(range(days_start, days_start + len(pc.tokenize("three"))))
+    closing = layout.spans["#text1"]
+    assert plan.spans[-1] == "#text1" and closing.end == layout.length
+    assert plan.next_position == closing.positions[-1] + 1 == layout.length
+    assert plan.next_position > max(plan.new_positions) + 1  # the old rule would have decoded inside `plan`
 
 
 def test_mask_matters(tiny_lm: LoadedModel) -> None:

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
-from test_eval_runner import FakeEngine
+from conftest import tiny_model
 
 from pc_rag import cli
 
@@ -59,17 +59,15 @@ def test_bad_json_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> No
     ],
 )
 def test_argument_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str], extra: list[str], message: str) -> None:
-    pytest.importorskip("pc_rag.rag")
     err = _error(capsys, ["eval", "--dataset", _data(tmp_path, json.dumps(GOOD)), *extra])
     assert message in err
 
 
 def test_eval_writes_json_plot_and_state(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tokenizer
 ) -> None:
-    rag = pytest.importorskip("pc_rag.rag")
-    monkeypatch.setattr("pc_rag.model.load_model", lambda *a, **k: type("LM", (), {"name": "fake"})())
-    monkeypatch.setattr(rag, "RagEngine", lambda lm, prompt: FakeEngine())
+    """A tiny real engine behind the CLI: every mode answered, rows per dataset and mode, state resumable."""
+    monkeypatch.setattr("pc_rag.model.load_model", lambda *a, **k: tiny_model("llama", tokenizer))
     lines = [json.dumps({**GOOD, "id": f"q{i}", "question": f"Q: answer {i}"}) for i in range(3)]
     out, png = tmp_path / "r.json", tmp_path / "r.png"
     argv = ["eval", "--dataset", _data(tmp_path, *lines), "--modes", "naive,default", "--limit", "2"]
@@ -85,13 +83,11 @@ def test_eval_writes_json_plot_and_state(
 
 
 def test_eval_skips_the_tuning_split_unless_asked(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, tokenizer
 ) -> None:
-    rag = pytest.importorskip("pc_rag.rag")
     from pc_rag.eval import contexts
 
-    monkeypatch.setattr("pc_rag.model.load_model", lambda *a, **k: type("LM", (), {"name": "fake"})())
-    monkeypatch.setattr(rag, "RagEngine", lambda lm, prompt: FakeEngine())
+    monkeypatch.setattr("pc_rag.model.load_model", lambda *a, **k: tiny_model("llama", tokenizer))
     monkeypatch.setattr("pc_rag.eval.datasets.TUNING_SPLIT", {"qa": range(1, 3)})  # a small split for the test
     pooled: list[list[str]] = []
 

@@ -190,3 +190,38 @@ def test_teacher_forcing_leaves_the_answer_alone(engines: dict[str, RagEngine], 
     assert forced.step_logits.shape[0] == 1 + len(reference)
     torch.testing.assert_close(forced.step_logits[0], forced.first_logits)  # step 0: nothing forced yet
     assert engine.answer(chunks, QUESTION, "prefix", max_new_tokens=1, reference_ids=[]).step_logits.shape[0] == 1
+
+
+@pytest.mark.parametrize("mode", ["default", "selective:0.5", "edge:3", "query:0.3"])
+def test_recovery_equals_its_exact_oracle(tokenizer, monkeypatch, mode: str) -> None:
+    """Chunks encoded alone, then served with recompute: each decoded step equals a masked full forward in
+    which unselected chunk tokens see only their chunk and selected ones everything before them."""
+    from conftest import tiny_model
+    from reference import recompute_oracle_logits
+
+    engine = RagEngine(tiny_model("llama", tokenizer), RagPrompt())
+    texts = [
+        "The Eiffel Tower is in Paris and was finished in 1889.",
+        "Mount Fuji is the highest mountain in Japan.",
+        "The Danube flows into the Black Sea.",
+    ]
+    chunks = engine.encode(texts, mode="naive")  # encoded alone: re-rotation keeps what each token saw
+    chosen: list[list[int]] = []
+    select = RagEngine._select
+
+    def spy(self, *args, **kwargs):  # records the selection; changes nothing
+        chosen.append(select(self, *args, **kwargs))
+        return chosen[-1]
+
+    monkeypatch.setattr(RagEngine, "_select", spy)
+    question = "Which river reaches the Black Sea?"
+    result = engine.answer(chunks, question, mode, max_new_tokens=4, keep_logits=4)
+    assert chosen[0], "the mode recomputed nothing: the oracle would test nothing"
+    head = list(engine.head_ids)
+    tail = engine.tokenize(engine.prompt.tail(engine.wrappers, question))
+    model = engine.lm.model
+    for step, logits in enumerate(result.step_logits):
+        expected = recompute_oracle_logits(
+            model, head, [list(c.token_ids) for c in chunks], chosen[0], tail, result.token_ids[:step]
+        )
+        torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-4)

@@ -189,7 +189,8 @@ def test_pml_prompts_reuse_schema_modules(engine: RagEngine) -> None:
     cache = PromptCache(engine.lm)
     cache.add_schema('<schema name="s"><module name="doc">The sky is blue.</module></schema>')
     llm = PromptCacheLLM.from_prompt_cache(cache, max_tokens=3)
-    assert llm.invoke('<prompt schema="s"><doc/>What color?</prompt>') is not None
+    prompt = '<prompt schema="s"><doc/>What color?</prompt>'
+    assert llm.invoke(prompt) == cache.generate(prompt, max_new_tokens=3).text
     assert llm.last_stats.cached_tokens > 0
 
 
