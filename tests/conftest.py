@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import socket
+from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -27,11 +28,11 @@ from transformers import (
 )
 
 from pc_rag.attention import ATTENTION
-from pc_rag.model import DEFAULT_MODEL, LoadedModel, _resolve, load_model
+from pc_rag.model import LoadedModel, load_model
 from pc_rag.rope import rope_spec_for
 
 _COMMON = dict(
-    vocab_size=49152,
+    vocab_size=2048,  # the tiny tokenizer's
     hidden_size=64,
     intermediate_size=128,
     num_hidden_layers=3,
@@ -71,10 +72,19 @@ TINY_CONFIGS = {
 }
 
 
+TINY_TOKENIZER = Path(__file__).parent / "data" / "tiny-tokenizer"  # tests/data/make_tiny_tokenizer.py
+
+
+def tiny_tokenizer() -> PreTrainedTokenizerBase:
+    """A 2,048-token byte-level BPE with SmolLM2's specials and ChatML template, shipped with the tests: the
+    unit tests need no model file."""
+    return AutoTokenizer.from_pretrained(TINY_TOKENIZER)
+
+
 @pytest.fixture(scope="session")
 def tokenizer() -> PreTrainedTokenizerBase:
-    """SmolLM2's tokenizer (ChatML template), shared by the tiny models."""
-    return AutoTokenizer.from_pretrained(_resolve(DEFAULT_MODEL))
+    """The tiny tokenizer, shared by the tiny models."""
+    return tiny_tokenizer()
 
 
 def tiny_model(arch: str, tokenizer: PreTrainedTokenizerBase) -> LoadedModel:

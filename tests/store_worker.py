@@ -20,11 +20,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from conftest import tiny_model
+from conftest import tiny_model, tiny_tokenizer
 from test_document_store import embedder
-from transformers import AutoTokenizer
 
-from pc_rag.model import DEFAULT_MODEL, _resolve
 from pc_rag.rag import RagEngine, RagPrompt
 from pc_rag.store.document_store import DocumentStore
 from pc_rag.store.index import VectorIndex
@@ -44,7 +42,7 @@ def document(i: int, version: int = 0) -> str:
 
 
 def engine() -> RagEngine:
-    return RagEngine(tiny_model("llama", AutoTokenizer.from_pretrained(_resolve(DEFAULT_MODEL))), RagPrompt())
+    return RagEngine(tiny_model("llama", tiny_tokenizer()), RagPrompt())
 
 
 def open_store(path: Path, eng: RagEngine) -> DocumentStore:

@@ -28,7 +28,7 @@ def adapted(tiny_lm):
     adapter.detach()
 
 
-IDS = [12, 400, 77, 5000, 31, 9, 1200]
+IDS = [12, 400, 77, 2000, 31, 9, 1200]
 
 
 def test_inactive_outside_applied_and_gone_after_detach(tiny_lm, adapted) -> None:
