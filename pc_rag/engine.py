@@ -77,7 +77,8 @@ class PromptCache:
 
     ``kv_device`` is where module KV is kept (default: the model's device; ``"cpu"``
     keeps it in host memory, pinned when CUDA is present). ``kv_dtype`` defaults to
-    the model's dtype.
+    the model's dtype. Serving (``generate``, ``stream``) is thread-safe, as ``RagEngine``'s is;
+    register schemas (``add_schema``) before serving them from other threads.
     """
 
     def __init__(

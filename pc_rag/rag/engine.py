@@ -66,6 +66,12 @@ class RagEngine:
     ``canonical_gap`` is the distance between the end of the preamble and the
     canonical start of conditioned chunks: a chunk that saw the preamble from a
     typical distance re-rotates to its slot better than one encoded right after it.
+
+    Concurrency: ``answer``, ``stream`` and ``encode`` may be called from many threads at once. The model is
+    shared read-only (no request swaps or hooks a module: recovery probes pass their state as attention
+    kwargs, the splice adapter acts through a per-thread context variable), and each request takes its
+    own KV buffer from a locked pool. Each request runs its own forwards; batching requests together is
+    the serving issue's.
     """
 
     def __init__(
