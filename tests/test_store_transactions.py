@@ -166,6 +166,11 @@ def test_create_refuses_a_file_or_a_foreign_directory(tmp_path, engine: RagEngin
     with pytest.raises(StoreError, match="not empty"):
         DocumentStore.create(tmp_path / "mine", engine, embedder=embedder())
     assert sorted(p.name for p in (tmp_path / "mine").iterdir()) == ["notes.txt"]
+    for chunk_tokens, overlap in [(0, 0), (16, 16), (16, -1)]:
+        with pytest.raises(StoreError, match="chunk_tokens must be"):
+            DocumentStore.create(tmp_path / "new", engine, embedder=embedder(), chunk_tokens=chunk_tokens,
+                                 overlap_tokens=overlap)  # fmt: skip
+    assert not (tmp_path / "new").exists()  # nothing created for a store that could never take a document
 
 
 def test_a_format_1_store_loads_and_is_upgraded_by_its_next_commit(tmp_path, engine: RagEngine) -> None:

@@ -130,6 +130,10 @@ class DocumentStore:
         if directory.is_dir() and any(p.name != LOCK_NAME for p in directory.iterdir()):
             msg = f"{directory} is not empty and holds no store: give a new or empty directory"
             raise StoreError(msg)
+        if chunk_tokens < 1 or not 0 <= overlap_tokens < chunk_tokens:
+            got = f"got {chunk_tokens} and {overlap_tokens}"
+            msg = f"chunk_tokens must be >= 1 and 0 <= overlap_tokens < chunk_tokens: {got}"
+            raise StoreError(msg)
         embedder = SentenceTransformerEmbedder() if embedder is None else as_embedder(embedder)
         identity = _identity(engine, embedder, index_kind, chunk_tokens, overlap_tokens, mode, storage_dtype)
         manifest = Manifest(identity=identity, serving=_serving(engine, mode))
