@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import NoReturn
 
@@ -118,30 +119,24 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _positive(text: str) -> int:
-    """An argparse type: an integer >= 1."""
-    value = _integer(text)
-    if value < 1:
-        msg = f"must be at least 1, got {value}"
-        raise argparse.ArgumentTypeError(msg)
-    return value
+def _at_least(minimum: int) -> Callable[[str], int]:
+    """An argparse type: an integer >= ``minimum``."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            msg = f"not an integer: {text!r}"
+            raise argparse.ArgumentTypeError(msg) from None
+        if value < minimum:
+            msg = f"must be at least {minimum}, got {value}"
+            raise argparse.ArgumentTypeError(msg)
+        return value
+
+    return parse
 
 
-def _non_negative(text: str) -> int:
-    """An argparse type: an integer >= 0."""
-    value = _integer(text)
-    if value < 0:
-        msg = f"must be 0 or more, got {value}"
-        raise argparse.ArgumentTypeError(msg)
-    return value
-
-
-def _integer(text: str) -> int:
-    try:
-        return int(text)
-    except ValueError:
-        msg = f"not an integer: {text!r}"
-        raise argparse.ArgumentTypeError(msg) from None
+_positive, _non_negative = _at_least(1), _at_least(0)
 
 
 def _run_bench(args: argparse.Namespace, lm: object) -> None:

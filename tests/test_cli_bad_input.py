@@ -38,7 +38,7 @@ CASES = [
     (["index", "{tmp}/bad-meta.jsonl", "--store", "{tmp}/s"], "bad-meta.jsonl:1: 'metadata' must be an object"),
     (["index", "{tmp}/ok.txt", "--store", "{tmp}/s", "--chunk-tokens", "0"], "--chunk-tokens: must be at least 1"),
     (["index", "{tmp}/ok.txt", "--store", "{tmp}/s", "--chunk-tokens", "x"], "--chunk-tokens: not an integer"),
-    (["index", "{tmp}/ok.txt", "--store", "{tmp}/s", "--overlap", "-1"], "--overlap: must be 0 or more"),
+    (["index", "{tmp}/ok.txt", "--store", "{tmp}/s", "--overlap", "-1"], "--overlap: must be at least 0"),
     (["index", "{tmp}/ok.txt", "--store", "{tmp}/s", "--chunk-tokens", "8", "--overlap", "8"], "smaller than"),
     (["index", "{tmp}/ok.txt", "--store", "{tmp}/a-file"], "is a file"),
     (["index", "{tmp}/ok.txt", "--store", "{tmp}/mine"], "non-empty directory that holds no store"),

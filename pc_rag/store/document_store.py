@@ -185,7 +185,7 @@ class DocumentStore:
         return len(self.manifest.chunks)
 
     def close(self) -> None:
-        """Release the writer lock (if this object wrote) and the cached KV. Uncommitted changes are dropped."""
+        """Release the writer lock (if this object wrote) and the cached KV; uncommitted changes are not written."""
         self._writer.release()
         self.kv.close()
 
