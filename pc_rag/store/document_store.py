@@ -361,7 +361,8 @@ class DocumentStore:
         with self._write_mutex:
             self._begin_write()
             pieces = [p for p in pieces if not self.is_current(p[0], p[1], p[2])]
-            bar = tqdm(total=sum(len(p[3]) for p in pieces), desc="encoding chunks", unit="chunk", disable=not progress)
+            total = sum(len(p[3]) for p in pieces)
+            bar = tqdm(total=total, desc="encoding chunks", unit="chunk", disable=not progress or not total)
             for part in _parts(pieces, commit_every):
                 self._add_part(part, bar)
             bar.close()
