@@ -15,7 +15,7 @@ from pc_rag.errors import StoreError
 from pc_rag.model import LoadedModel
 from pc_rag.rag import RagEngine, RagPrompt
 from pc_rag.store.document_store import DocumentStore
-from pc_rag.store.files import LOCK_NAME
+from pc_rag.store.files import check_store_directory
 from pc_rag.store.ingest import SourceDocument
 from pc_rag.store.kvstore import STORAGE_DTYPES
 from pc_rag.store.manifest import MANIFEST_NAME
@@ -31,15 +31,12 @@ def engine_for(lm: LoadedModel) -> RagEngine:
 
 def check_store_target(store_dir: Path, *, must_exist: bool) -> None:
     """Refuse a store path that cannot be one, before the model loads or anything is written."""
-    if store_dir.exists() and not store_dir.is_dir():
-        msg = f"--store {store_dir} is a file; a store is a directory"
-        raise StoreError(msg)
-    is_store = (store_dir / MANIFEST_NAME).is_file()
+    try:
+        is_store = check_store_directory(store_dir, for_new_store=not must_exist)
+    except StoreError as e:
+        raise StoreError(f"--store {e}") from None
     if must_exist and not is_store:
         msg = f"--store {store_dir} is not a pc-rag store (no {MANIFEST_NAME}); build one with `pc-rag index`"
-        raise StoreError(msg)
-    if not is_store and store_dir.is_dir() and any(p.name != LOCK_NAME for p in store_dir.iterdir()):
-        msg = f"--store {store_dir} is a non-empty directory that holds no store; give a new or empty directory"
         raise StoreError(msg)
 
 

@@ -27,7 +27,8 @@ except ImportError as e:  # pragma: no cover - depends on the environment
 
 from pc_rag.errors import PCRagError
 from pc_rag.rag.order import DEFAULT_ORDER, check_order
-from pc_rag.store.document_store import DocumentStore, ModuleHandle
+from pc_rag.store.document_store import DocumentStore
+from pc_rag.store.handles import ModuleHandle
 
 __all__ = ["HANDLE_KEYS", "PromptModuleRetriever", "handle_node", "node_handle"]
 

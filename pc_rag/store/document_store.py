@@ -4,8 +4,8 @@ Adding documents splits them into token chunks, encodes each chunk's KV once
 (in batches, at the engine's canonical position), embeds it and indexes it.
 Retrieval returns ``ModuleHandle``s, not text; answering splices the handles'
 KV. On disk a store is ``manifest.json`` (the commit point, written last),
-``kv/*.safetensors`` shards and ``index.faiss``. This module knows nothing
-about attention or recovery: that is the engine's.
+``kv/*.safetensors`` shards and one index file per commit (``files``). This
+module knows nothing about attention or recovery: that is the engine's.
 """
 
 from __future__ import annotations
@@ -14,60 +14,40 @@ import hashlib
 import logging
 import threading
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 from tqdm.auto import tqdm
 
-from pc_rag.errors import PCRagError, StoreCorruptedError, StoreError
-from pc_rag.generate import GenerationResult, ReplyStream
+from pc_rag.errors import StoreError
+from pc_rag.generate import ReplyStream
 from pc_rag.rag.engine import Chunk, RagEngine
 from pc_rag.rag.markers import module_ref, split_module_prompt
 from pc_rag.rag.modes import resolve_mode
 from pc_rag.rag.order import BEST_FIRST, DEFAULT_ORDER, reorder
 from pc_rag.store._atomic import sha256_file
 from pc_rag.store.chunking import split_text
+from pc_rag.store.committed import manifest_stamp, read_commit
+from pc_rag.store.consistency import RepairReport, check_contents, repair_contents
 from pc_rag.store.embeddings import Embedder, SentenceTransformerEmbedder, as_embedder
-from pc_rag.store.files import LEGACY_INDEX_NAME, LOCK_NAME, index_name, unlisted
+from pc_rag.store.files import check_store_directory, index_name, remove_unlisted
+from pc_rag.store.handles import Answer, ModuleHandle
+from pc_rag.store.identity import serving_assumptions, storage_dtype, store_identity, warn_if_serving_changed
 from pc_rag.store.index import VectorIndex
-from pc_rag.store.kvstore import DEFAULT_LRU_BYTES, STORAGE_DTYPES, KVStore
+from pc_rag.store.kvstore import DEFAULT_LRU_BYTES, KVStore
 from pc_rag.store.manifest import (
     MANIFEST_NAME,
     ChunkRecord,
     DocRecord,
     IndexRecord,
     Manifest,
-    StoreIdentity,
-    tokenizer_hash,
 )
 from pc_rag.store.writer_lock import WriterLock
 
 logger = logging.getLogger(__name__)
 
 Document = str | tuple[str, dict[str, Any]]
-
-
-@dataclass(frozen=True)
-class ModuleHandle:
-    """A retrieved chunk: what the LLM splices (by ``chunk_id``) and what a user shows as a source."""
-
-    chunk_id: int
-    score: float
-    n_tokens: int
-    text: str
-    doc_id: str
-    metadata: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class Answer:
-    """An answer, the handles it was read from, and its generation stats."""
-
-    text: str
-    sources: tuple[ModuleHandle, ...]
-    result: GenerationResult
 
 
 class DocumentStore:
@@ -103,7 +83,7 @@ class DocumentStore:
         )  # fmt: skip
         self._writer = WriterLock(self.directory)
         self._write_mutex = threading.RLock()  # one write at a time in this process
-        self._seen = _manifest_stamp(self.directory)
+        self._seen = manifest_stamp(self.directory)
 
     @classmethod
     def create(
@@ -121,32 +101,25 @@ class DocumentStore:
     ) -> DocumentStore:
         """Start an empty store in ``directory`` (new, or empty), holding its writer lock."""
         directory = Path(directory)
-        if directory.exists() and not directory.is_dir():
-            msg = f"{directory} is a file; a store is a directory"
-            raise StoreError(msg)
-        if (directory / MANIFEST_NAME).exists():
-            msg = f"{directory} already holds a store; use DocumentStore.load"
-            raise StoreError(msg)
-        if directory.is_dir() and any(p.name != LOCK_NAME for p in directory.iterdir()):
-            msg = f"{directory} is not empty and holds no store: give a new or empty directory"
-            raise StoreError(msg)
+        _refuse_existing(directory)
         if chunk_tokens < 1 or not 0 <= overlap_tokens < chunk_tokens:
             got = f"got {chunk_tokens} and {overlap_tokens}"
             msg = f"chunk_tokens must be >= 1 and 0 <= overlap_tokens < chunk_tokens: {got}"
             raise StoreError(msg)
         embedder = SentenceTransformerEmbedder() if embedder is None else as_embedder(embedder)
-        identity = _identity(engine, embedder, index_kind, chunk_tokens, overlap_tokens, mode, storage_dtype)
-        manifest = Manifest(identity=identity, serving=_serving(engine, mode))
+        identity = store_identity(engine, embedder, index_kind, chunk_tokens, overlap_tokens, mode, storage_dtype)
+        manifest = Manifest(identity=identity, serving=serving_assumptions(engine, mode))
         directory.mkdir(parents=True, exist_ok=True)
         kv = KVStore(
             directory, dtype=storage_dtype, compute_dtype=engine.lm.dtype, lru_bytes=lru_bytes, manifest=manifest
         )
         store = cls(directory, engine, manifest, kv, VectorIndex(embedder.dim, index_kind), embedder, mode)
         store._writer.acquire()
-        if (directory / MANIFEST_NAME).exists():  # another process created it between our checks and the lock
+        try:
+            _refuse_existing(directory)  # another process may have created it between our check and the lock
+        except StoreError:
             store.close()
-            msg = f"{directory} already holds a store; use DocumentStore.load"
-            raise StoreError(msg)
+            raise
         store.commit()
         return store
 
@@ -165,19 +138,19 @@ class DocumentStore:
         if not (directory / MANIFEST_NAME).is_file():
             msg = f"{directory} is not a pc-rag store (no {MANIFEST_NAME})"
             raise StoreError(msg)
-        manifest, index = _read_commit(directory)
+        manifest, index = read_commit(directory)
         stored = manifest.identity
         if stored is None:
             msg = f"store manifest in {directory} has no identity"
             raise StoreError(msg)
         embedder = SentenceTransformerEmbedder() if embedder is None else as_embedder(embedder)
         mode = stored.encoding_mode.split("/")[0]
-        storage = _storage_dtype(directory, stored.model_dtype)
-        expected = _identity(
+        storage = storage_dtype(directory, stored.model_dtype)
+        expected = store_identity(
             engine, embedder, stored.index_kind, stored.chunk_tokens, stored.overlap_tokens, mode, storage
         )
         manifest.check_compatible(expected)
-        _warn_if_serving_changed(directory, manifest.serving, _serving(engine, mode))
+        warn_if_serving_changed(directory, manifest.serving, serving_assumptions(engine, mode))
         kv = KVStore(directory, dtype=storage, compute_dtype=engine.lm.dtype, lru_bytes=lru_bytes, manifest=manifest)
         return cls(directory, engine, manifest, kv, index, embedder, mode)
 
@@ -216,19 +189,19 @@ class DocumentStore:
                 self.manifest.index, self.manifest.generation = previous
                 (self.directory / name).unlink(missing_ok=True)
                 raise
-            self._seen = _manifest_stamp(self.directory)
-            self._remove_leftovers()
+            self._seen = manifest_stamp(self.directory)
+            remove_unlisted(self.directory, self.manifest.listed_files())
 
     def refresh(self) -> bool:
         """Follow commits another process made since this store was loaded; return whether there were any.
 
         A writer (this object holds the lock) is always current. Called by ``search``.
         """
-        if self._writer.held or _manifest_stamp(self.directory) == self._seen:
+        if self._writer.held or manifest_stamp(self.directory) == self._seen:
             return False
         with self._write_mutex:
-            stamp = _manifest_stamp(self.directory)
-            manifest, index = _read_commit(self.directory)
+            stamp = manifest_stamp(self.directory)
+            manifest, index = read_commit(self.directory)
             if manifest.identity != self.manifest.identity:
                 msg = f"the store at {self.directory} was rebuilt with another setup since it was loaded; load it again"
                 raise StoreError(msg)
@@ -239,55 +212,19 @@ class DocumentStore:
             return changed
 
     def repair(self) -> RepairReport:
-        """Bring the store back to a consistent state after damage or an old pc-rag's interrupted write.
-
-        Drops documents missing a chunk (or whose KV shard is missing or corrupted: re-add them), KV and index
-        entries of no listed chunk, re-embeds listed chunks the index lacks, compacts, commits and removes
-        unlisted files. A store written by this version needs none of it after a crash: see the class docstring.
-        """
+        """Bring the store back to a consistent state after damage or an old pc-rag's interrupted write, and
+        commit (``consistency.repair_contents`` says what it drops and rebuilds). A store written by this
+        version needs none of it after a crash: see the class docstring."""
         with self._write_mutex:
             self._begin_write()
-            shards = self.manifest.shards
-            damaged = {c for name, record in shards.items() if self.kv.problem(name) for c in record.chunk_ids}
-            chunks = self.manifest.chunks
-            usable = set(chunks) - damaged
-            partial = sorted(d for d, rec in self.manifest.docs.items() if not usable.issuperset(rec.chunk_ids))
-            for doc_id in partial:
-                for cid in self.manifest.docs.pop(doc_id).chunk_ids:
-                    chunks.pop(cid, None)
-            listed = set(chunks)
-            unindexed = self.index.remove(set(self.index.ids()) - listed)
-            orphans = self.kv.delete((set(self.kv.ids()) | damaged) - listed)
-            lost = sorted(listed - set(self.index.ids()))
-            if lost:
-                self.index.add(lost, self.embedder.embed_documents([chunks[c].text for c in lost]))
-            leftovers = len(unlisted(self.directory, self.manifest.listed_files()))
-            freed = self.kv.compact()
+            report = repair_contents(self.directory, self.manifest, self.kv, self.index, self.embedder)
             self.commit()
-            return RepairReport(tuple(partial), orphans, unindexed, len(lost), leftovers, freed)
+            return report
 
     def verify(self) -> str:
         """Check every checksum and cross-reference without writing; a summary, or ``StoreCorruptedError``
         naming each problem (``repair`` fixes what it names)."""
-        m = self.manifest
-        problems = [p for name in sorted(m.shards) if (p := self.kv.problem(name))]
-        stored, indexed, listed = set(self.kv.ids()), set(self.index.ids()), set(m.chunks)
-        checks = {
-            "documents missing a chunk": [d for d, r in m.docs.items() if not listed.issuperset(r.chunk_ids)],
-            "chunks without KV": sorted(listed - stored),
-            "chunks missing from the index": sorted(listed - indexed),
-            "KV entries of no listed chunk": sorted(stored - listed),
-            "index entries of no listed chunk": sorted(indexed - listed),
-            "leftover files of interrupted writes": unlisted(self.directory, m.listed_files()),
-        }
-        problems += [f"{len(found)} {what} (e.g. {found[0]})" for what, found in checks.items() if found]
-        if problems:
-            msg = f"the store at {self.directory} has problems: " + "; ".join(problems)
-            raise StoreCorruptedError(msg)
-        return (
-            f"{self.directory}: {len(m.docs)} documents, {len(m.chunks)} chunks, {len(m.shards)} KV shards "
-            f"({self.kv.nbytes / 2**20:.1f} MiB), commit {m.generation}: every checksum and reference is sound"
-        )
+        return check_contents(self.directory, self.manifest, self.kv, self.index)
 
     def compact(self) -> int:
         """Rewrite KV shards without deleted chunks and commit; return the bytes freed on disk.
@@ -308,7 +245,7 @@ class DocumentStore:
         self._writer.acquire()
         try:
             if (self.directory / MANIFEST_NAME).exists():
-                manifest, index = _read_commit(self.directory)
+                manifest, index = read_commit(self.directory)
                 if manifest.generation != self.manifest.generation:
                     self._adopt(manifest, index)
         except BaseException:
@@ -317,13 +254,7 @@ class DocumentStore:
 
     def _adopt(self, manifest: Manifest, index: VectorIndex) -> None:
         self.manifest, self.index = manifest, index
-        self.kv.manifest = manifest
-        self.kv.reload()
-
-    def _remove_leftovers(self) -> None:
-        for path in unlisted(self.directory, self.manifest.listed_files()):
-            logger.info("removing %s: no longer listed in the manifest", path)
-            path.unlink(missing_ok=True)
+        self.kv.reload(manifest)
 
     @property
     def documents(self) -> list[str]:
@@ -535,68 +466,15 @@ def module_text(chunk: str) -> str:
     return chunk.strip() + "\n\n"
 
 
-def _identity(
-    engine: RagEngine, embedder: Embedder, index_kind: str, chunk_tokens: int, overlap_tokens: int, mode: str,
-    storage_dtype: torch.dtype,
-) -> StoreIdentity:  # fmt: skip
-    try:
-        conditioned = resolve_mode(mode).conditioned
-    except PCRagError as e:
-        raise StoreError(str(e)) from e
-    encoding = "conditioned" if conditioned else "isolated"
-    return StoreIdentity(
-        model_name=engine.lm.name,
-        model_fingerprint=engine.lm.fingerprint(),
-        model_dtype=f"{str(engine.lm.dtype).removeprefix('torch.')}/{str(storage_dtype).removeprefix('torch.')}",
-        tokenizer_hash=tokenizer_hash(engine.lm.tokenizer),
-        chunk_tokens=chunk_tokens,
-        overlap_tokens=overlap_tokens,
-        preamble_hash=engine.prompt.digest(),
-        encoding_mode=f"{mode}/{encoding}",
-        start_position=engine.canonical_start,
-        embedder_name=embedder.name,
-        embedder_dim=embedder.dim,
-        index_kind=index_kind,
-    )
-
-
-def _serving(engine: RagEngine, mode: str) -> dict[str, str]:
-    """What answers in ``mode`` assume beyond the stored KV: the splice adapter's digest if the mode applies one."""
-    return {"adapter": engine.tuned.adapter().digest} if resolve_mode(mode).adapter else {}
-
-
-def _warn_if_serving_changed(directory: Path, recorded: dict[str, str], now: dict[str, str]) -> None:
-    for key in sorted(set(recorded) | set(now)):
-        if recorded.get(key) != now.get(key):
-            logger.warning(
-                "%s was built to answer with %s %s; this engine serves %s: its KV is still valid, but answers will "
-                "differ from those the store gave before", directory, key, recorded.get(key), now.get(key),
-            )  # fmt: skip
-
-
 def _doc_id(text: str) -> str:
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
+    return _sha256(text)[:16]
 
 
-@dataclass(frozen=True)
-class RepairReport:
-    """What ``DocumentStore.repair`` changed."""
-
-    dropped_documents: tuple[str, ...]  # missing a chunk or its KV: add them again
-    orphan_chunks: int  # KV entries of no listed chunk, deleted
-    orphan_index_entries: int
-    reindexed_chunks: int  # listed chunks the index lacked, embedded again
-    leftover_files: int  # files of interrupted writes, removed
-    freed_bytes: int
-
-    def __str__(self) -> str:
-        dropped = f" ({', '.join(self.dropped_documents[:5])}{', ...' if len(self.dropped_documents) > 5 else ''})"
-        return (
-            f"dropped {len(self.dropped_documents)} damaged documents{dropped if self.dropped_documents else ''}, "
-            f"{self.orphan_chunks} orphan KV entries and {self.orphan_index_entries} orphan index entries; "
-            f"re-indexed {self.reindexed_chunks} chunks; removed {self.leftover_files} leftover files; "
-            f"freed {self.freed_bytes / 2**20:.1f} MiB"
-        )
+def _refuse_existing(directory: Path) -> None:
+    """``StoreError`` unless ``directory`` can take a new store (new, or empty)."""
+    if check_store_directory(directory):
+        msg = f"{directory} already holds a store; use DocumentStore.load"
+        raise StoreError(msg)
 
 
 def _parts(pieces: list[Any], chunks_per_part: int) -> list[list[Any]]:
@@ -612,52 +490,6 @@ def _parts(pieces: list[Any], chunks_per_part: int) -> list[list[Any]]:
         parts[-1].append(piece)
         count += len(piece[-1])
     return parts if parts[0] else []
-
-
-def _read_commit(directory: Path, attempts: int = 5) -> tuple[Manifest, VectorIndex]:
-    """The committed manifest and the index it names, read consistently while a writer may be committing."""
-    for attempt in range(attempts):
-        manifest = Manifest.load(directory / MANIFEST_NAME)
-        try:
-            return manifest, _load_index(directory, manifest)
-        except StoreCorruptedError:
-            moved = Manifest.load(directory / MANIFEST_NAME).generation != manifest.generation
-            if not moved or attempt == attempts - 1:
-                raise
-    raise AssertionError("unreachable")
-
-
-def _load_index(directory: Path, manifest: Manifest) -> VectorIndex:
-    if manifest.index is None:  # format 1
-        return VectorIndex.load(directory / LEGACY_INDEX_NAME)
-    path = directory / manifest.index.name
-    try:
-        actual = sha256_file(path)
-    except FileNotFoundError as e:
-        msg = f"vector index file is missing: {path}"
-        raise StoreCorruptedError(msg) from e
-    if actual != manifest.index.sha256:
-        msg = f"vector index file {path} does not match its checksum (sha256 {actual[:12]}…); run `pc-rag store repair`"
-        raise StoreCorruptedError(msg)
-    return VectorIndex.load(path)
-
-
-def _manifest_stamp(directory: Path) -> tuple[int, int, int] | None:
-    """What changes when the manifest is replaced: inode, size, modification time."""
-    try:
-        st = (directory / MANIFEST_NAME).stat()
-    except FileNotFoundError:
-        return None
-    return st.st_ino, st.st_size, st.st_mtime_ns
-
-
-def _storage_dtype(directory: Path, model_dtype: str) -> torch.dtype:
-    """The KV storage dtype a manifest records as ``compute/storage``."""
-    name = model_dtype.split("/")[-1]
-    if name not in STORAGE_DTYPES:
-        msg = f"store manifest in {directory} records KV storage dtype {name!r}; known: {', '.join(STORAGE_DTYPES)}"
-        raise StoreCorruptedError(msg)
-    return STORAGE_DTYPES[name]
 
 
 def _bytes_on_disk(directory: Path) -> int:

@@ -10,11 +10,15 @@ so a damaged or hostile manifest cannot point outside the store.
 
 from __future__ import annotations
 
+import logging
 import re
 from pathlib import Path
 
-from pc_rag.errors import StoreCorruptedError
+from pc_rag.errors import StoreCorruptedError, StoreError
 
+logger = logging.getLogger(__name__)
+
+MANIFEST_NAME = "manifest.json"
 LOCK_NAME = ".writer.lock"
 SHARD_DIR = "kv"
 LEGACY_INDEX_NAME = "index.faiss"  # format 1: one index file, rewritten in place, no checksum
@@ -42,6 +46,29 @@ def check_index_name(name: str) -> str:
         msg = f"the store manifest names the index file {name!r}, which is not an index name (index-NNNNNNNN.faiss)"
         raise StoreCorruptedError(msg)
     return name
+
+
+def check_store_directory(directory: Path, *, for_new_store: bool = True) -> bool:
+    """Whether ``directory`` holds a store; ``StoreError`` if it is a file, or (``for_new_store``) a directory
+    with files but no store: a new store must not be built among someone's files."""
+    if directory.exists() and not directory.is_dir():
+        msg = f"{directory} is a file; a store is a directory"
+        raise StoreError(msg)
+    if (directory / MANIFEST_NAME).is_file():
+        return True
+    if for_new_store and directory.is_dir() and any(p.name != LOCK_NAME for p in directory.iterdir()):
+        msg = f"{directory} is not empty: a non-empty directory that holds no store cannot take one; give an empty one"
+        raise StoreError(msg)
+    return False
+
+
+def remove_unlisted(directory: Path, listed: set[str]) -> int:
+    """Delete the files ``unlisted`` names (only a writer holding the lock may); return how many."""
+    stray = unlisted(directory, listed)
+    for path in stray:
+        logger.info("removing %s: not listed in the manifest", path)
+        path.unlink(missing_ok=True)
+    return len(stray)
 
 
 def unlisted(directory: Path, listed: set[str]) -> list[Path]:

@@ -36,7 +36,7 @@ from pc_rag.errors import StoreCorruptedError
 from pc_rag.kv import SpanKV
 from pc_rag.store._atomic import fsync_dir, fsync_file, sha256_file, staged
 from pc_rag.store._lru import ByteLRU
-from pc_rag.store.files import SHARD_DIR, unlisted
+from pc_rag.store.files import SHARD_DIR, remove_unlisted
 from pc_rag.store.manifest import MANIFEST_NAME, Manifest, ShardRecord
 
 logger = logging.getLogger(__name__)
@@ -178,14 +178,13 @@ class KVStore:
             for name in retired:
                 self._handles.pop(name, None)
             if self._owns_manifest:
-                for stray in unlisted(self.directory, self.manifest.listed_files()):
-                    logger.info("removing %s: not listed in the manifest", stray)
-                    stray.unlink(missing_ok=True)
+                remove_unlisted(self.directory, self.manifest.listed_files())
             return before - self.nbytes
 
-    def reload(self) -> None:
-        """Follow ``manifest`` after its owner replaced it or its contents: new shard table, fresh LRU."""
+    def reload(self, manifest: Manifest) -> None:
+        """Follow the owner's newly read ``manifest``: its shard table, a fresh LRU."""
         with self._lock:
+            self.manifest = manifest
             self._where = self._locate()
             self._handles = {n: h for n, h in self._handles.items() if n in self.manifest.shards}
             self._lru.clear()

@@ -20,11 +20,11 @@ from typing import Any
 from pc_rag.errors import StoreCorruptedError, StoreError, StoreMismatchError
 from pc_rag.store._atomic import atomic_write
 from pc_rag.store.files import LEGACY_INDEX_NAME, check_index_name, check_shard_name
+from pc_rag.store.files import MANIFEST_NAME as MANIFEST_NAME  # its home is files.py; re-exported
 
 logger = logging.getLogger(__name__)
 
 FORMAT_VERSION = 2  # 2: versioned index file with a checksum, commit generation
-MANIFEST_NAME = "manifest.json"
 
 
 @dataclass(frozen=True)
