@@ -25,6 +25,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 from pc_rag.attention import ATTENTION
 from pc_rag.errors import ModelLoadError
 from pc_rag.rope import RopeSpec, rope_spec_for
+from pc_rag.weights import ComputeDtype, Int4Linear, Int8Linear, apply_compute_dtype, compute_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +46,7 @@ class LoadedModel:
     rope: RopeSpec
     name: str
     fingerprint_cache: Path | None = None  # where the digest of the weights as loaded from disk is kept
+    compute: ComputeDtype | None = None  # None: dense weights in the parameters' dtype
     _fingerprint: str | None = field(default=None, init=False, repr=False)
 
     @property
@@ -53,7 +55,13 @@ class LoadedModel:
 
     @property
     def dtype(self) -> torch.dtype:
-        return next(self.model.parameters()).dtype
+        """The dtype of activations and of the KV cache."""
+        return self.compute.activations if self.compute is not None else next(self.model.parameters()).dtype
+
+    @property
+    def compute_dtype(self) -> str:
+        """How the model computes: ``float32``, ``bfloat16``, ``int8`` or ``int4`` (stores record it)."""
+        return self.compute.name if self.compute is not None else str(self.dtype).removeprefix("torch.")
 
     @property
     def max_positions(self) -> int:
@@ -68,7 +76,9 @@ class LoadedModel:
         without a cache, or call ``forget_fingerprint`` after.
         """
         if self._fingerprint is None:
-            self._fingerprint = _cached(self.fingerprint_cache, lambda: _fingerprint(self.model, self.tokenizer))
+            self._fingerprint = _cached(
+                self.fingerprint_cache, lambda: _fingerprint(self.model, self.tokenizer, self.compute)
+            )
         return self._fingerprint
 
     def forget_fingerprint(self) -> None:
@@ -76,16 +86,29 @@ class LoadedModel:
         self._fingerprint, self.fingerprint_cache = None, None
 
 
-def _fingerprint(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> str:
+def _fingerprint(
+    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, compute: ComputeDtype | None = None
+) -> str:
+    """Dense models hash their parameters; quantized ones also the quantized layers' buffers, and their name."""
     config = model.config.get_text_config().to_dict()
     config.pop("_name_or_path", None)  # where the files were, not what they are
     digest = hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode())
-    digest.update(str(next(model.parameters()).dtype).encode())
+    quantized = compute is not None and compute.linear is not None
+    digest.update((compute.name if quantized else str(next(model.parameters()).dtype)).encode())
     digest.update(repr(sorted(tokenizer.get_vocab().items())).encode())
+    tensors = dict(model.named_parameters())
+    if quantized:
+        tensors |= {
+            f"{prefix}.{name}": buffer
+            for prefix, module in model.named_modules()
+            if isinstance(module, Int4Linear | Int8Linear)
+            for name, buffer in module.named_buffers()
+            if buffer is not None
+        }
     with torch.no_grad():
-        for name, param in model.named_parameters():
+        for name, tensor in tensors.items():
             digest.update(name.encode())
-            digest.update(param.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+            digest.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()[:16]
 
 
@@ -101,29 +124,38 @@ def cache_dir() -> Path:
 def load_model(
     name_or_path: str = DEFAULT_MODEL,
     device: str | torch.device = "cpu",
-    dtype: torch.dtype = torch.float32,
+    dtype: str | torch.dtype = "float32",
 ) -> LoadedModel:
     """Load a RoPE causal LM offline: a bundled GGUF name, a ``.gguf`` file, a local HF dir or a cached hub id.
+
+    ``dtype`` is the compute dtype: ``float32``, ``bfloat16``, or weight-only ``int8`` / ``int4`` linear
+    layers computing in bfloat16 (``pc_rag.weights``).
 
     Raises ``ModelLoadError`` when nothing can be found offline and
     ``UnsupportedModelError`` when the architecture cannot be served.
     """
+    compute = compute_dtype(dtype)  # an unknown dtype fails before anything loads
     directory = _resolve(name_or_path)
+    load_dtype = torch.float32 if compute.linear else compute.activations  # quantize from the full weights
     try:
         tokenizer = AutoTokenizer.from_pretrained(directory)
         model = AutoModelForCausalLM.from_pretrained(
-            directory, dtype=dtype, attn_implementation=ATTENTION, low_cpu_mem_usage=True
+            directory, dtype=load_dtype, attn_implementation=ATTENTION, low_cpu_mem_usage=True
         )
     except (OSError, ValueError) as e:
         msg = f"could not load model {name_or_path!r} from {directory}: {e}"
         raise ModelLoadError(msg) from e
     model.to(device).eval()
+    apply_compute_dtype(model, compute)
     rope = rope_spec_for(model)
-    cache = _fingerprint_cache_path(Path(directory), dtype)
-    return LoadedModel(model=model, tokenizer=tokenizer, rope=rope, name=name_or_path, fingerprint_cache=cache)
+    tag = compute.name if compute.linear else str(compute.activations)  # dense tags as before: caches stay valid
+    cache = _fingerprint_cache_path(Path(directory), tag)
+    return LoadedModel(
+        model=model, tokenizer=tokenizer, rope=rope, name=name_or_path, fingerprint_cache=cache, compute=compute
+    )
 
 
-def _fingerprint_cache_path(directory: Path, dtype: torch.dtype) -> Path | None:
+def _fingerprint_cache_path(directory: Path, dtype: str) -> Path | None:
     """Where the fingerprint of the weights in ``directory`` loaded as ``dtype`` is kept, named by the weight
     files' sizes and modification times (a changed file gets a new name); ``None`` if there are no such files."""
     weights = sorted(directory.glob("*.safetensors"))

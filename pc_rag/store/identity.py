@@ -33,7 +33,7 @@ def store_identity(
     return StoreIdentity(
         model_name=engine.lm.name,
         model_fingerprint=engine.lm.fingerprint(),
-        model_dtype=f"{str(engine.lm.dtype).removeprefix('torch.')}/{str(storage_dtype).removeprefix('torch.')}",
+        model_dtype=f"{engine.lm.compute_dtype}/{str(storage_dtype).removeprefix('torch.')}",
         tokenizer_hash=tokenizer_hash(engine.lm.tokenizer),
         chunk_tokens=chunk_tokens,
         overlap_tokens=overlap_tokens,

@@ -1,0 +1,162 @@
+"""Compute dtypes for serving: dense float32 / bfloat16, and weight-only int8 / int4 linear layers.
+
+Decoding one token reads every weight once, so its speed is the weights' size over the memory
+bandwidth. ``int8`` keeps one int8 per weight and a scale per output channel; ``int4`` keeps 4 bits
+per weight with a scale and zero per group of 32 inputs (min-max, asymmetric): the layout of
+GGUF's Q4_1, so a model dequantized from Q4_1 (the bundled SmolLM2) gets its own 4-bit weights back,
+not a second rounding. The output projection stays int8 in ``int4`` (GGUF keeps it at 8 bits too).
+Quantized layers compute in bfloat16. A decode step (a few rows) calls PyTorch's fused CPU kernels
+(``_weight_int8pack_mm``, ``_weight_int4pack_mm_for_cpu``) and reads the small weights; many rows
+(prefill, recompute, encoding) multiply a dense bfloat16 copy of the same dequantized weight, where
+the GEMM is compute-bound and those kernels are slow. So they save decode bandwidth, not memory. Off
+the CPU every call takes the dense copy: correct, not faster (no GPU was lent to test a GPU kernel).
+This module knows nothing about caches.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pc_rag.errors import ModelLoadError
+
+INT4_GROUP = 32
+
+
+@dataclass(frozen=True)
+class ComputeDtype:
+    """How a model computes: the activations' (and KV's) dtype and the linear layers' weight format."""
+
+    name: str
+    activations: torch.dtype
+    linear: str | None = None  # None: dense weights in ``activations``; "int8" or "int4": weight-only quantized
+
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        return self.activations
+
+
+COMPUTE_DTYPES = {
+    "float32": ComputeDtype("float32", torch.float32),
+    "bfloat16": ComputeDtype("bfloat16", torch.bfloat16),
+    "int8": ComputeDtype("int8", torch.bfloat16, "int8"),
+    "int4": ComputeDtype("int4", torch.bfloat16, "int4"),
+}
+_ALIASES = {"fp32": "float32", "bf16": "bfloat16", str(torch.float32): "float32", str(torch.bfloat16): "bfloat16"}
+
+
+def compute_dtype(name: str | torch.dtype | ComputeDtype) -> ComputeDtype:
+    """The compute dtype called ``name`` (``float32``, ``bfloat16``, ``int8``, ``int4``, or a torch dtype)."""
+    if isinstance(name, ComputeDtype):
+        return name
+    key = _ALIASES.get(str(name), str(name))
+    if key not in COMPUTE_DTYPES:
+        msg = f"unknown compute dtype {name!r}; choose one of {', '.join(COMPUTE_DTYPES)}"
+        raise ModelLoadError(msg)
+    return COMPUTE_DTYPES[key]
+
+
+def apply_compute_dtype(model: nn.Module, compute: ComputeDtype) -> nn.Module:
+    """Cast ``model`` to ``compute.activations`` and, for int8/int4, replace its linear layers in place."""
+    if compute.linear is None:
+        return model.to(compute.activations)
+    output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    targets = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear)]
+    for name, linear in targets:
+        parent, _, attr = name.rpartition(".")
+        if compute.linear == "int4" and linear is not output and linear.in_features % INT4_GROUP == 0:
+            quantized: nn.Module = Int4Linear.quantize(linear, compute.activations)
+        else:
+            quantized = Int8Linear.quantize(linear, compute.activations)
+        setattr(model.get_submodule(parent) if parent else model, attr, quantized)
+    return model.to(compute.activations)  # norms, embeddings and biases; quantized buffers keep their dtypes
+
+
+KERNEL_ROWS = 4  # up to this many rows (decoding) the fused kernels win; beyond, the dense GEMM does
+
+
+class QuantizedLinear(nn.Module):
+    """A linear layer whose weight is stored quantized for reading few rows (decode steps) fast.
+
+    ``weight`` holds the dequantized weight in the activations' dtype for many rows at once (prefill,
+    recompute), where the GEMM is compute-bound and the fused kernels are slow: memory buys prefill speed.
+    Both paths apply the same quantized weight.
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features)
+        if flat.shape[0] > KERNEL_ROWS or x.device.type != "cpu" or x.dtype != torch.bfloat16:
+            return F.linear(x, self.weight, self.bias)
+        out = self._kernel(flat.contiguous())
+        if self.bias is not None:
+            out = out + self.bias
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+    def _kernel(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class Int8Linear(QuantizedLinear):
+    """Weight ``q * scale``: ``q`` int8 [out, in], one scale per output channel (symmetric absmax)."""
+
+    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__((qweight.float() * scales.float()[:, None]).to(scales.dtype), bias)
+        self.register_buffer("qweight", qweight)
+        self.register_buffer("scales", scales)
+
+    @classmethod
+    def quantize(cls, linear: nn.Linear, dtype: torch.dtype) -> Int8Linear:
+        weight = linear.weight.detach().float()
+        scales = weight.abs().amax(dim=1).clamp(min=1e-12) / 127
+        qweight = torch.round(weight / scales[:, None]).clamp(-127, 127).to(torch.int8)
+        bias = None if linear.bias is None else linear.bias.detach().to(dtype)
+        return cls(qweight, scales.to(dtype), bias)
+
+    def _kernel(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int8pack_mm(x, self.qweight, self.scales)
+
+
+class Int4Linear(QuantizedLinear):
+    """Weight ``(q - 8) * scale + zero`` per group of 32 inputs, ``q`` in 0..15 (min-max, asymmetric).
+
+    ``packed`` holds ``q`` two per byte in the layout of ``_weight_int4pack_mm_for_cpu`` (CPU only);
+    ``scales_and_zeros`` is [in / 32, out, 2].
+    """
+
+    def __init__(self, q: torch.Tensor, scales_and_zeros: torch.Tensor, bias: torch.Tensor | None) -> None:
+        out_features, in_features = q.shape
+        scales, zeros = scales_and_zeros.float().unbind(-1)  # [groups, out]
+        groups = q.float().view(out_features, -1, INT4_GROUP) - 8
+        weight = (groups * scales.T[..., None] + zeros.T[..., None]).view(out_features, in_features)
+        super().__init__(weight.to(scales_and_zeros.dtype), bias)
+        self.register_buffer("scales_and_zeros", scales_and_zeros)
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.int(), 2) if q.device.type == "cpu" else None
+        self.register_buffer("packed", packed)
+
+    @classmethod
+    def quantize(cls, linear: nn.Linear, dtype: torch.dtype) -> Int4Linear:
+        """Exact for weights dequantized from Q4_1 (up to the scales' rounding to ``dtype``)."""
+        weight = linear.weight.detach().float()
+        out_features, in_features = weight.shape
+        groups = weight.view(out_features, in_features // INT4_GROUP, INT4_GROUP)
+        low, high = groups.amin(dim=-1), groups.amax(dim=-1)
+        scales = ((high - low) / 15).clamp(min=1e-12)
+        q = torch.round((groups - low[..., None]) / scales[..., None]).clamp(0, 15).view(out_features, in_features)
+        zeros = low + 8 * scales  # the kernel dequantizes (q - 8) * scale + zero
+        scales_and_zeros = torch.stack([scales.T, zeros.T], dim=-1).to(dtype).contiguous()
+        bias = None if linear.bias is None else linear.bias.detach().to(dtype)
+        return cls(q.to(torch.uint8), scales_and_zeros, bias)
+
+    def _kernel(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is None:
+            return F.linear(x, self.weight)
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, INT4_GROUP, self.scales_and_zeros)
