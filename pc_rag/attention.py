@@ -154,11 +154,13 @@ def packed_gqa_attention(
         return _query_time(module, query, key, value, attention_mask, scaling, segments, **kwargs), None
     blocks = kwargs.pop("query_blocks", None)
     q_len, k_len = query.shape[2], key.shape[2]
+    window: int | None = kwargs.get("sliding_window")  # type: ignore[assignment]
     if blocks is None and attention_mask is None and 1 < q_len < k_len:
+        if window is None and _FLASH_CPU is not None and query.device.type == "cpu" and not kwargs.get("softcap"):
+            return _after_cache(query, key, value, scaling), None
         blocks = QueryBlocks.after(k_len - q_len, q_len, query.device)
     if isinstance(blocks, QueryBlocks):
         assert not dropout and not kwargs.get("softcap"), "serving attention has no dropout or softcap"
-        window: int | None = kwargs.get("sliding_window")  # type: ignore[assignment]
         if _FLASH_CPU is None or query.device.type != "cpu":
             mask = blocks.dense(k_len, window)
             return sdpa_attention_forward(module, query, key, value, mask, scaling=scaling, **kwargs)
@@ -200,6 +202,28 @@ def _blocked(
             share_a = torch.sigmoid(lse_a - lse_b).to(out_a.dtype).view(*target.shape[:-1], 1)
             torch.lerp(out_b.view(target.shape), out_a.view(target.shape), share_a, out=target)
     return out.view(batch, q_len, heads, dim)
+
+
+def _after_cache(
+    query: torch.Tensor,  # [B, H, Q, D]: the last Q keys' own queries
+    key: torch.Tensor,  # [B, H_kv, S, D]
+    value: torch.Tensor,
+    scaling: float | None,
+) -> torch.Tensor:  # [B, Q, H, D]
+    """New tokens after a cache: every query sees the whole cache (one unmasked pass, heads folded) and the
+    new keys causally (the causal kernel of a full prefill), merged by log-sum-exp. No mask is built."""
+    batch, heads, q_len, dim = query.shape
+    kv_heads, cached = key.shape[1], key.shape[2] - q_len
+    n_rep = heads // kv_heads
+    folded = query.reshape(batch, kv_heads, n_rep * q_len, dim)
+    out_a, lse_a = _FLASH_CPU(folded, key[:, :, :cached], value[:, :, :cached], scale=scaling)
+    new_k, new_v = key[:, :, cached:], value[:, :, cached:]
+    if n_rep > 1:  # the causal kernel has no grouped heads: repeat the new keys only (O(Q), not O(Q^2))
+        new_k, new_v = new_k.repeat_interleave(n_rep, dim=1), new_v.repeat_interleave(n_rep, dim=1)
+    out_b, lse_b = _FLASH_CPU(query, new_k, new_v, is_causal=True, scale=scaling)
+    share_a = torch.sigmoid(lse_a.reshape(batch, heads, q_len) - lse_b).to(out_b.dtype).unsqueeze(-1)
+    out = torch.lerp(out_b, out_a.reshape(batch, heads, q_len, dim), share_a)  # [B, H, Q, D]
+    return out.transpose(1, 2).contiguous()
 
 
 def _mask(

@@ -84,7 +84,16 @@ def test_query_blocks_equal_sdpa_on_the_dense_mask(
 
 @pytest.mark.parametrize(("cached", "new"), [(1, 5), (40, 7), (30, 300)])
 def test_no_mask_means_causal_after_the_cache(monkeypatch: pytest.MonkeyPatch, cached: int, new: int) -> None:
-    """A causal run after a cache (prefix caching: a short head, many new tokens) takes the blocked path."""
+    """A causal run after a cache (prefix caching: a short head, many new tokens) is two kernel calls, no mask:
+    the cache unmasked, the new keys by the causal kernel."""
+    calls: list[dict[str, object]] = []
+    kernel = attention._FLASH_CPU
+
+    def recording(*args: object, **kwargs: object) -> object:
+        calls.append(kwargs)
+        return kernel(*args, **kwargs)
+
+    monkeypatch.setattr(attention, "_FLASH_CPU", recording)
     monkeypatch.setattr(attention, "sdpa_attention_forward", _refuse)
     monkeypatch.setattr(attention.F, "scaled_dot_product_attention", _refuse)
     torch.manual_seed(0)
@@ -92,6 +101,8 @@ def test_no_mask_means_causal_after_the_cache(monkeypatch: pytest.MonkeyPatch, c
     key, value = torch.randn(1, 2, cached + new, 16), torch.randn(1, 2, cached + new, 16)
     ours, _ = packed_gqa_attention(_Module(), query, key, value, None, scaling=0.25)
     monkeypatch.undo()
+    assert len(calls) == 2 and all(c.get("attn_mask") is None for c in calls)
+    assert [bool(c.get("is_causal")) for c in calls] == [False, True]
     reference = _reference(query, key, value, _dense(torch.arange(cached, cached + new), cached + new, None))
     torch.testing.assert_close(ours, reference, rtol=1e-5, atol=1e-5)
 
