@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
+from tokenizers.decoders import DecodeStream
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from transformers.cache_utils import Cache
 
@@ -148,19 +149,52 @@ def decode_tokens(
     return DecodedTokens(steps(), kept)
 
 
+class IncrementalDetokenizer:
+    """Text of each new token id, without decoding the reply again at every step.
+
+    Fast tokenizers use ``tokenizers.decoders.DecodeStream``; others decode a short window of ids (the
+    offsets vLLM uses). A step returns ``None`` while a multi-byte character is incomplete.
+    """
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
+        self._tokenizer = tokenizer
+        self._backend = getattr(tokenizer, "backend_tokenizer", None)
+        self._stream = DecodeStream(skip_special_tokens=True)
+        self._ids: list[int] = []
+        self._prefix = self._read = 0  # ids[prefix:read] is context only; text after it is new
+
+    def step(self, token: int) -> str | None:
+        if self._backend is not None:
+            return self._stream.step(self._backend, token)
+        self._ids.append(token)
+        decode = self._tokenizer.decode
+        before = decode(self._ids[self._prefix : self._read], skip_special_tokens=True)
+        text = decode(self._ids[self._prefix :], skip_special_tokens=True)
+        if len(text) <= len(before) or text.endswith("\ufffd"):
+            return None
+        self._prefix, self._read = self._read, len(self._ids)
+        return text[len(before) :]
+
+
 def stream_text(
     tokens: Iterator[int], tokenizer: PreTrainedTokenizerBase, stop: Sequence[str], on_token: Callable[[int], None]
 ) -> Iterator[str]:
-    """Turn token ids into text deltas, ending before the first stop string (held back until disambiguated)."""
-    ids: list[int] = []
-    emitted = 0
+    """Turn token ids into text deltas, ending before the first stop string (held back until disambiguated).
+
+    Each step costs the new token's text, not the reply's: pieces come from an ``IncrementalDetokenizer``
+    and stop strings are searched only where a new piece could complete one.
+    """
+    detokenizer = IncrementalDetokenizer(tokenizer)
+    longest = max((len(s) for s in stop), default=0)
+    text, emitted = "", 0
     for token in tokens:
         on_token(token)
-        ids.append(token)
-        text = tokenizer.decode(ids, skip_special_tokens=True)
-        if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the next token
+        piece = detokenizer.step(token)
+        if not piece:
             continue
-        cut = min((i for i in (text.find(s) for s in stop) if i >= 0), default=-1)
+        searched = max(0, len(text) - longest + 1)
+        text += piece
+        cut = min((i for i in (text.find(s, searched) for s in stop) if i >= 0), default=-1)
         if cut >= 0:
             if cut > emitted:
                 yield text[emitted:cut]
@@ -169,7 +203,6 @@ def stream_text(
         if safe > emitted:
             yield text[emitted:safe]
             emitted = safe
-    text = tokenizer.decode(ids, skip_special_tokens=True)
     if len(text) > emitted:
         yield text[emitted:]
 

@@ -130,3 +130,27 @@ def test_kept_step_logits_are_the_logits_of_each_decoding_step(pc: PromptCache) 
     assert result.token_ids[:4] == result.step_logits.argmax(-1).tolist()  # greedy: step j's argmax is token j
     assert pc.generate(PROMPT, max_new_tokens=6).step_logits is None  # kept only when asked
     assert pc.generate(PROMPT, max_new_tokens=2, keep_logits=8).step_logits.shape[0] == 2  # no more steps than run
+
+
+def test_detokenizing_a_reply_never_decodes_it_whole_again() -> None:
+    """Without a fast backend, each step decodes a window of a few ids, however long the reply."""
+    decoded: list[int] = []
+
+    class _Recording(_CharTokenizer):
+        def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+            decoded.append(len(ids))
+            return super().decode(ids, skip_special_tokens)
+
+    text = "a long reply " * 40
+    assert "".join(stream_text(iter(map(ord, text)), _Recording(), (), lambda _: None)) == text
+    assert max(decoded) <= 2
+
+
+@pytest.mark.parametrize("text", ["plain words", " naïve café — 東京, ok.", "a\n\n b  c"])
+def test_streamed_pieces_join_to_the_full_decode(text: str) -> None:
+    from tests.conftest import tiny_tokenizer
+
+    tokenizer = tiny_tokenizer()
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    pieces = list(stream_text(iter(ids), tokenizer, (), lambda _: None))
+    assert "".join(pieces) == tokenizer.decode(ids, skip_special_tokens=True)
