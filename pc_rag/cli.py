@@ -15,6 +15,8 @@ from typing import NoReturn
 
 from pc_rag.errors import PCRagError
 
+COMPUTE_DTYPE_NAMES = ("float32", "bfloat16", "int8", "int4")  # pc_rag.weights.COMPUTE_DTYPES, without torch
+
 
 class _Parser(argparse.ArgumentParser):
     """Argument errors as one line naming the problem (``pc-rag: error: …``, exit code 2), without the usage."""
@@ -27,6 +29,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = _Parser(prog="pc-rag", description="Prompt Cache for retrieval-augmented QA.")
     parser.add_argument("--model", default=None, help="bundled model name, .gguf file or local HF directory")
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument("--dtype", default=None, choices=COMPUTE_DTYPE_NAMES,
+                        help="compute dtype: float32, bfloat16, or int8 / int4 weights computing in bfloat16 "
+                        "(default: the store's, else float32)")  # fmt: skip
     parser.add_argument("-v", "--verbose", action="store_true")
     commands = parser.add_subparsers(dest="command", required=True)
     demo = commands.add_parser("demo", help="build a store from sample passages and answer, cached vs full")
@@ -39,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
                      help="tokens shared by consecutive chunks (new store; default 32)")  # fmt: skip
     idx.add_argument("--mode", default=None, help="recovery mode the store encodes for (new store; default: default)")
     idx.add_argument("--index-kind", default=None, choices=["flat", "hnsw", "ivf"], help="new store; default flat")
-    idx.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+    idx.add_argument("--kv-dtype", default=None, choices=["float32", "bfloat16", "float16"],
                      help="KV storage (new store; default float32)")  # fmt: skip
     idx.add_argument("--limit", type=_positive, default=None, help="index only the first N documents")
     ask = commands.add_parser("ask", help="answer a question from a document store")
@@ -100,7 +105,9 @@ def _run(args: argparse.Namespace) -> int:
         if args.command == "ask" and not args.question.strip():
             msg = "the question is empty"
             raise PCRagError(msg)
-    lm = load_model(args.model or DEFAULT_MODEL, device=args.device)
+    store = getattr(args, "store", None)
+    dtype = args.dtype or (commands.store_compute_dtype(store) if store else None) or "float32"
+    lm = load_model(args.model or DEFAULT_MODEL, device=args.device, dtype=dtype)
     if args.command == "tune":
         return _run_tune(args, lm)
     if args.command == "demo":
@@ -108,7 +115,7 @@ def _run(args: argparse.Namespace) -> int:
     elif args.command == "index":
         assert docs is not None
         commands.index(lm, docs, args.store, chunk_tokens=args.chunk_tokens, overlap=args.overlap, mode=args.mode,
-                       index_kind=args.index_kind, dtype=args.dtype)  # fmt: skip
+                       index_kind=args.index_kind, dtype=args.kv_dtype)  # fmt: skip
     elif args.command == "ask":
         commands.ask(lm, args.store, args.question, k=args.k, mode=args.mode, compare_full=args.full,
                      max_new_tokens=args.max_new_tokens)  # fmt: skip
@@ -270,7 +277,7 @@ def _run_eval(args: argparse.Namespace) -> int:
     if args.plot:
         require_matplotlib()
 
-    lm = load_model(args.model or DEFAULT_MODEL, device=args.device)
+    lm = load_model(args.model or DEFAULT_MODEL, device=args.device, dtype=args.dtype or "float32")
     engine = RagEngine(lm, RagPrompt.longbench())
     stores = args.store_dir or cache_dir() / "eval-stores"
     records = []

@@ -6,6 +6,7 @@ person, and leave every decision about serving to the store and the engine.
 
 from __future__ import annotations
 
+import json
 import sys
 import tempfile
 import time
@@ -38,6 +39,15 @@ def check_store_target(store_dir: Path, *, must_exist: bool) -> None:
     if must_exist and not is_store:
         msg = f"--store {store_dir} is not a pc-rag store (no {MANIFEST_NAME}); build one with `pc-rag index`"
         raise StoreError(msg)
+
+
+def store_compute_dtype(store_dir: Path) -> str | None:
+    """The compute dtype a store's KV was made in (``None`` when there is no readable manifest yet)."""
+    try:
+        identity = json.loads((store_dir / MANIFEST_NAME).read_text())["identity"]
+        return str(identity["model_dtype"]).split("/")[0]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None  # no store yet; a damaged manifest is reported when the store loads
 
 
 def index(lm: LoadedModel, docs: list[SourceDocument], store_dir: Path, **options: object) -> None:
