@@ -113,7 +113,7 @@ def test_fingerprints_keep_dtypes_apart_and_float32_unchanged(tokenizer) -> None
 def test_a_store_refuses_kv_made_in_another_compute_dtype(tmp_path, tokenizer) -> None:
     make_store(tmp_path, RagEngine(tiny_model("llama", tokenizer), RagPrompt()))
     other = RagEngine(tiny_in("llama", "int4", tokenizer), RagPrompt())
-    with pytest.raises(StoreMismatchError, match="model_dtype.*float32/float32.*int4/float32"):
+    with pytest.raises(StoreMismatchError, match=r"model_dtype.*float32/float32.*int4/float32"):
         DocumentStore.load(tmp_path / "store", other, embedder=embedder())
 
 
@@ -126,7 +126,7 @@ def test_a_store_built_in_int4_answers_in_int4(tmp_path, tokenizer) -> None:
 
 
 def test_unknown_dtypes_are_refused_before_anything_loads() -> None:
-    with pytest.raises(ModelLoadError, match="unknown compute dtype 'int3'.*float32, bfloat16, int8, int4"):
+    with pytest.raises(ModelLoadError, match=r"unknown compute dtype 'int3'.*float32, bfloat16, int8, int4"):
         load_model("/nonexistent/model", dtype="int3")
     assert compute_dtype(torch.bfloat16) is COMPUTE_DTYPES["bfloat16"]
-    assert COMPUTE_DTYPE_NAMES == tuple(COMPUTE_DTYPES)  # the CLI's list, kept without importing torch
+    assert tuple(COMPUTE_DTYPES) == COMPUTE_DTYPE_NAMES  # the CLI's list, kept without importing torch
