@@ -16,6 +16,7 @@ from tokenizers.decoders import DecodeStream
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from transformers.cache_utils import Cache
 
+from pc_rag.decode_step import DecodeStep
 from pc_rag.model_call import PLAIN, ModelCall
 
 
@@ -119,8 +120,10 @@ def decode_tokens(
     stop_ids: frozenset[int],
     call: ModelCall = PLAIN,
 ) -> DecodedTokens:
-    """Generated token ids (EOS excluded) until EOS or ``max_new_tokens``; each step's forward runs through ``call``."""
+    """Generated token ids (EOS excluded) until EOS or ``max_new_tokens``; each step's forward runs through ``call``,
+    or, for a plain call on a model it describes, through the fused ``DecodeStep``."""
     kept: list[torch.Tensor] = []
+    fused = DecodeStep.of(model) if call.is_plain else None
 
     @torch.inference_mode()
     def steps() -> Iterator[int]:
@@ -136,6 +139,9 @@ def decode_tokens(
             yield token
             if step + 1 == params.max_new_tokens:
                 return
+            if fused is not None:
+                logits = fused(token, next_position + step, cache)
+                continue
             out = call(
                 model,
                 input_ids=torch.tensor([[token]], device=device),

@@ -25,6 +25,11 @@ class ModelCall:
     kwargs: Mapping[str, object] = field(default_factory=dict)
     context: Callable[[], AbstractContextManager[Any]] = nullcontext
 
+    @property
+    def is_plain(self) -> bool:
+        """Whether this call is the model's own forward, untouched (no kwargs, no context)."""
+        return not self.kwargs and self.context is nullcontext
+
     def __call__(self, model: PreTrainedModel, **inputs: Any) -> Any:
         with self.context():
             return model(**inputs, **self.kwargs)

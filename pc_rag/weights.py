@@ -15,6 +15,7 @@ This module knows nothing about caches.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -128,8 +129,8 @@ class Int8Linear(QuantizedLinear):
 class Int4Linear(QuantizedLinear):
     """Weight ``(q - 8) * scale + zero`` per group of 32 inputs, ``q`` in 0..15 (min-max, asymmetric).
 
-    ``packed`` holds ``q`` two per byte in the layout of ``_weight_int4pack_mm_for_cpu`` (CPU only);
-    ``scales_and_zeros`` is [in / 32, out, 2].
+    ``q`` is kept one per byte (to fuse layers); ``packed`` holds it two per byte in the layout of
+    ``_weight_int4pack_mm_for_cpu`` (CPU only); ``scales_and_zeros`` is [in / 32, out, 2].
     """
 
     def __init__(self, q: torch.Tensor, scales_and_zeros: torch.Tensor, bias: torch.Tensor | None) -> None:
@@ -138,9 +139,9 @@ class Int4Linear(QuantizedLinear):
         groups = q.float().view(out_features, -1, INT4_GROUP) - 8
         weight = (groups * scales.T[..., None] + zeros.T[..., None]).view(out_features, in_features)
         super().__init__(weight.to(scales_and_zeros.dtype), bias)
+        self.register_buffer("q", q)
         self.register_buffer("scales_and_zeros", scales_and_zeros)
-        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.int(), 2) if q.device.type == "cpu" else None
-        self.register_buffer("packed", packed)
+        self.register_buffer("packed", _pack_int4(q))
 
     @classmethod
     def quantize(cls, linear: nn.Linear, dtype: torch.dtype) -> Int4Linear:
@@ -160,3 +161,57 @@ class Int4Linear(QuantizedLinear):
         if self.packed is None:
             return F.linear(x, self.weight)
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, INT4_GROUP, self.scales_and_zeros)
+
+
+def _pack_int4(q: torch.Tensor) -> torch.Tensor | None:
+    """``q`` [out, in] in the CPU kernel's layout, or None off the CPU or where the kernel cannot take it."""
+    if q.device.type != "cpu" or q.shape[0] % 16:
+        return None
+    return torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.int(), 2)
+
+
+class FusedKernel:
+    """Quantized layers reading the same input, as one fused-kernel call for decode rows: one weight read
+    and one kernel launch instead of one per layer (q/k/v, gate/up). Holds no dense copy."""
+
+    def __init__(self, layers: Sequence[QuantizedLinear]) -> None:
+        self.splits = [layer.out_features for layer in layers]
+        self._int4 = isinstance(layers[0], Int4Linear)
+        if self._int4:
+            self._packed = _pack_int4(torch.cat([layer.q for layer in layers]))
+            self._scales = torch.cat([layer.scales_and_zeros for layer in layers], dim=1)
+        else:
+            self._qweight = torch.cat([layer.qweight for layer in layers])
+            self._scales = torch.cat([layer.scales for layer in layers])
+        biases = [layer.bias for layer in layers]
+        self._bias = (
+            None
+            if all(b is None for b in biases)
+            else torch.cat(
+                [
+                    b if b is not None else torch.zeros(n, dtype=self._scales.dtype)
+                    for b, n in zip(biases, self.splits, strict=True)
+                ]
+            )
+        )
+
+    @classmethod
+    def of(cls, layers: Sequence[nn.Module]) -> FusedKernel | None:
+        """The fused kernel of ``layers``, or None when they are not all int8 or all int4 layers on the CPU."""
+        kinds = {type(layer) for layer in layers}
+        if kinds not in ({Int8Linear}, {Int4Linear}) or any(layer.weight.device.type != "cpu" for layer in layers):
+            return None
+        if kinds == {Int4Linear} and any(layer.packed is None for layer in layers):
+            return None
+        return cls(layers)  # type: ignore[arg-type]
+
+    def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """Each layer's output for bfloat16 rows ``x`` [..., in] (at most ``KERNEL_ROWS`` rows)."""
+        flat = x.reshape(-1, x.shape[-1]).contiguous()
+        if self._int4:
+            out = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self._packed, INT4_GROUP, self._scales)
+        else:
+            out = torch.ops.aten._weight_int8pack_mm(flat, self._qweight, self._scales)
+        if self._bias is not None:
+            out = out + self._bias
+        return list(out.reshape(*x.shape[:-1], -1).split(self.splits, dim=-1))

@@ -1,0 +1,89 @@
+"""The fused decode step equals the model's own forward, token after token, and is used only where it can be."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import pytest
+import torch
+from conftest import TINY_CONFIGS, tiny_model
+from test_weights import tiny_in
+
+from pc_rag.assemble import forward_new_tokens
+from pc_rag.decode_step import DecodeStep
+from pc_rag.engine import PromptCache
+from pc_rag.generate import SamplingParams, decode_tokens
+from pc_rag.kv import allocate
+from pc_rag.model_call import ModelCall
+from pc_rag.pml.nodes import Import, Module, Prompt, Schema, Text
+
+DESCRIBED = ["llama", "llama3-scaled", "mistral", "qwen2", "qwen3"]
+TOLERANCE = {"float32": 1e-5, "bfloat16": 3e-2, "int8": 3e-2, "int4": 3e-2}
+
+
+@pytest.mark.parametrize("dtype", sorted(TOLERANCE))
+@pytest.mark.parametrize("arch", DESCRIBED)
+def test_each_step_equals_the_forward_and_writes_the_same_cache(tokenizer, arch: str, dtype: str) -> None:
+    lm = tiny_in(arch, dtype, tokenizer)
+    step = DecodeStep.of(lm.model)
+    assert step is not None
+    prompt = tokenizer("The tower stands in Paris and is tall.", add_special_tokens=False)["input_ids"]
+    ours, theirs = allocate(lm.model, len(prompt) + 8), allocate(lm.model, len(prompt) + 8)
+    ours_cache, theirs_cache = ours.cache(0), theirs.cache(0)
+    with torch.inference_mode():
+        lm.model(input_ids=torch.tensor([prompt]), past_key_values=ours_cache, use_cache=True)
+        lm.model(input_ids=torch.tensor([prompt]), past_key_values=theirs_cache, use_cache=True)
+        for position, token in enumerate([5, 77, 301, 9], start=len(prompt)):
+            fused = step(token, position, ours_cache)
+            plain = lm.model(
+                input_ids=torch.tensor([[token]]),
+                position_ids=torch.tensor([[position]]),
+                past_key_values=theirs_cache,
+                use_cache=True,
+            ).logits[0, -1]
+            error = (fused.float() - plain.float()).abs().max() / plain.float().abs().max()
+            assert error < TOLERANCE[dtype], f"position {position}: relative error {error:.1e}"
+    length = len(prompt) + 4
+    assert ours_cache.get_seq_length() == theirs_cache.get_seq_length() == length
+    torch.testing.assert_close(ours.keys[:, :, :, :length], theirs.keys[:, :, :, :length], **_close(dtype))
+    torch.testing.assert_close(ours.values[:, :, :, :length], theirs.values[:, :, :, :length], **_close(dtype))
+
+
+def _close(dtype: str) -> dict[str, float]:
+    return {"rtol": 1e-5, "atol": 1e-5} if dtype == "float32" else {"rtol": 5e-2, "atol": 5e-2}
+
+
+@pytest.mark.parametrize("arch", sorted(set(TINY_CONFIGS) - set(DESCRIBED)))
+def test_models_it_does_not_describe_decode_through_their_forward(tokenizer, arch: str) -> None:
+    assert DecodeStep.of(tiny_model(arch, tokenizer).model) is None
+
+
+def test_plain_calls_decode_through_the_step_and_others_through_the_forward(tokenizer, monkeypatch) -> None:
+    pc = PromptCache(tiny_model("llama", tokenizer))
+    pc.add_schema(Schema("s", (Module("doc", (Text("The tower is in Paris."),)),)))
+    prompt = Prompt("s", (Import("doc"), Text(" Where is it?")))
+    steps: list[int] = []
+    original = DecodeStep.__call__
+
+    def counting(self: DecodeStep, token: int, position: int, cache: object) -> torch.Tensor:
+        steps.append(position)
+        return original(self, token, position, cache)
+
+    monkeypatch.setattr(DecodeStep, "__call__", counting)
+    fused = pc.generate(prompt, max_new_tokens=5, keep_logits=5)
+    assert len(steps) == len(fused.token_ids) - 1 > 0
+    steps.clear()
+    entered: list[int] = []
+
+    @contextmanager
+    def counted() -> Iterator[None]:  # a context around each call: only the model's forward can honour it
+        entered.append(1)
+        yield
+
+    lm = pc.lm
+    buffer = allocate(lm.model, 32)
+    logits, cache = forward_new_tokens(lm.model, buffer, 0, [1, 2, 3], range(3))
+    params = SamplingParams(max_new_tokens=4)
+    tokens = list(decode_tokens(lm.model, cache, logits, 3, params, frozenset(), ModelCall(context=counted)))
+    assert steps == [] and len(entered) == len(tokens) - 1 > 0
