@@ -69,10 +69,16 @@ def table(rows: list[Row], datasets: list[str] | None, columns: list[str]) -> st
 
 
 def peers_table(rows: list[Row]) -> str:
-    """Markdown rows of a `pc-rag bench peers --json` file: TTFT and speedup per length, decode tokens/s."""
+    """Markdown rows of a `pc-rag bench peers --json` file: TTFT and speedup per length, decode tokens/s, and
+    (where recorded) the end-to-end latency of a 32-token answer."""
     lengths = sorted({r["context_tokens"] for r in rows})
-    full = {r["context_tokens"]: r["ttft_ms"] for r in rows if r["peer"].startswith("full prefill")}
+    full = {r["context_tokens"]: r["ttft_ms"] for r in rows if r["peer"] == "full prefill (transformers, same runtime)"}
+    full = full or {
+        r["context_tokens"]: r["ttft_ms"] for r in rows if r["peer"].startswith("full prefill")
+    }  # old files
+    e2e = all(r.get("end_to_end_ms") is not None for r in rows if r["ttft_ms"] is not None)
     head = ["peer", *(x for t in lengths for x in (f"TTFT @{t}", "speedup")), "decode tok/s"]
+    head += ["32-token answer"] if e2e else []
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for peer in dict.fromkeys(r["peer"] for r in rows):
         runs = {r["context_tokens"]: r for r in rows if r["peer"] == peer}
@@ -80,7 +86,10 @@ def peers_table(rows: list[Row]) -> str:
             continue  # a peer that could not run (its reason is in the JSON)
         cells = [x for t in lengths for x in (f"{runs[t]['ttft_ms']:,.0f} ms", f"{full[t] / runs[t]['ttft_ms']:.1f}x")]
         decode = " / ".join(f"{runs[t]['decode_tokens_per_s']:.0f}" for t in lengths)
-        lines.append("| " + " | ".join([peer, *cells, decode]) + " |")
+        cells.append(decode)
+        if e2e:
+            cells.append(" / ".join(f"{runs[t]['end_to_end_ms']:,.0f}" for t in lengths) + " ms")
+        lines.append("| " + " | ".join([peer, *cells]) + " |")
     return "\n".join(lines)
 
 

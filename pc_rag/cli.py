@@ -159,12 +159,15 @@ def _run_bench(args: argparse.Namespace, lm: object) -> None:
         if args.plot:
             plot_ttft(rows, args.plot)
     elif args.kind == "peers":
-        from pc_rag.model import DEFAULT_MODEL, gguf_file
+        from pc_rag.model import DEFAULT_MODEL, gguf_file, load_model
         from pc_rag.peers import format_rows, run_peers
 
         gguf = gguf_file(args.model or DEFAULT_MODEL)
         engine = RagEngine(lm, RagPrompt.longbench())
-        rows = run_peers(engine, _lengths(args.tokens), args.runs, str(gguf) if gguf else None)
+        reference = None
+        if lm.compute_dtype != "float32":  # what the compute dtype gains on full prefill, in the same run
+            reference = RagEngine(load_model(lm.name, device=args.device), RagPrompt.longbench())
+        rows = run_peers(engine, _lengths(args.tokens), args.runs, str(gguf) if gguf else None, reference=reference)
         print(format_rows(rows))
     else:
         import torch

@@ -3,9 +3,12 @@
 One RAG-shaped prompt per context length (LongBench preamble, passages from the
 bundled sample, a question), served by every peer: TTFT is the median of
 ``runs`` timed first tokens after one warm-up, decode speed is measured on one
-32-token reply. A peer that cannot run here (package missing, model file not
-found) is reported with the reason instead of a number. This module knows
-nothing about how serving works; it times engines and libraries.
+32-token reply, and ``end_to_end_ms`` is what a user waits for a 32-token answer:
+TTFT plus 31 tokens at the measured decode speed (the same formula for every peer,
+whether its reply stopped early at EOS or not). llama.cpp runs with as many threads
+as torch. A peer that cannot run here (package missing, model file not found) is
+reported with the reason instead of a number. This module knows nothing about how
+serving works; it times engines and libraries.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
+import torch
 from tqdm import tqdm
 
 from pc_rag.errors import PCRagError
@@ -24,6 +28,7 @@ from pc_rag.generate import GenerationResult
 from pc_rag.rag.engine import Chunk, RagEngine
 from pc_rag.sample import sample_questions
 
+FULL_PREFILL = "full prefill (transformers, same runtime)"  # the row every speedup is measured against
 QUESTION = "Which of the passages above mentions a river, and what is its name?"
 DECODE_TOKENS = 32
 
@@ -36,6 +41,13 @@ class PeerRow:
     decode_tokens_per_s: float | None
     note: str = ""
     decode_tokens: int | None = None  # tokens of the decode-speed reply (fewer than 32 when it hit EOS)
+    end_to_end_ms: float | None = None  # TTFT + 31 tokens at the decode speed: a 32-token answer
+    dtype: str = ""  # our compute dtype (empty for peers with their own weights)
+    threads: int = 0
+
+    def __post_init__(self) -> None:
+        if self.end_to_end_ms is None and self.ttft_ms is not None and self.decode_tokens_per_s:
+            self.end_to_end_ms = self.ttft_ms + (DECODE_TOKENS - 1) / self.decode_tokens_per_s * 1000
 
 
 @dataclass(frozen=True)
@@ -90,9 +102,10 @@ def measure(peer: str, tokens: int, timed: Timed, runs: int) -> PeerRow:
     return PeerRow(peer, tokens, ttft, speed, note, reply.tokens)
 
 
-def engine_peers(engine: RagEngine, work: Workload) -> dict[str, Timed | str]:
+def engine_peers(engine: RagEngine, work: Workload, reference: RagEngine | None = None) -> dict[str, Timed | str]:
     """Our cached path (default recovery, fast and plain splicing), prefix caching and full prefill, one runtime;
-    ``fast`` is the reason it cannot run when the model has no splice adapter."""
+    ``fast`` is the reason it cannot run when the model has no splice adapter. With ``reference`` (the same model
+    in float32), its full prefill too: what the compute dtype gains."""
 
     def answer(mode: str) -> Timed:
         def run(n: int) -> Reply:
@@ -101,20 +114,23 @@ def engine_peers(engine: RagEngine, work: Workload) -> dict[str, Timed | str]:
 
         return run
 
-    def full(reuse_preamble: bool) -> Timed:
+    def full(reuse_preamble: bool, on: RagEngine = engine) -> Timed:
         def run(n: int) -> Reply:
-            full = engine.answer_full(work.chunks, work.question, reuse_preamble=reuse_preamble, max_new_tokens=n)
+            full = on.answer_full(work.chunks, work.question, reuse_preamble=reuse_preamble, max_new_tokens=n)
             return _engine_reply(full)
 
         return run
 
-    return {
+    peers: dict[str, Timed | str] = {
         "pc-rag cached, default recovery": answer("default"),
         "pc-rag cached, fast (splice adapter, no recompute)": _with_adapter(engine, answer("fast")),
         "pc-rag cached, naive splice": answer("naive"),
         "prefix caching (preamble cached, documents computed)": full(True),
-        "full prefill (transformers, same runtime)": full(False),
+        FULL_PREFILL: full(False),
     }
+    if reference is not None:
+        peers["full prefill, float32 (transformers, same runtime)"] = full(False, reference)
+    return peers
 
 
 def _with_adapter(engine: RagEngine, peer: Timed) -> Timed | str:
@@ -159,7 +175,11 @@ def llama_cpp_peers(gguf: str | None, work: Workload) -> dict[str, Timed | str]:
         return dict.fromkeys(names, "the model was not loaded from a GGUF file")
     from llama_cpp import Llama
 
-    llm = Llama(model_path=gguf, n_ctx=max(2048, work.tokens + DECODE_TOKENS + 64), verbose=False)
+    threads = torch.get_num_threads()  # llama-cpp-python's default is half the cores
+    llm = Llama(
+        model_path=gguf, n_ctx=max(2048, work.tokens + DECODE_TOKENS + 64), n_threads=threads,
+        n_threads_batch=threads, verbose=False,
+    )  # fmt: skip
     prompt = llm.tokenize(work.text.encode(), add_bos=False, special=True)
     documents = llm.tokenize(work.documents_text.encode(), add_bos=False, special=True)
 
@@ -206,24 +226,34 @@ def kvboost_peer(engine: RagEngine, work: Workload) -> Timed | str:
 
 
 def run_peers(
-    engine: RagEngine, lengths: Sequence[int], runs: int, gguf: str | None, progress: bool = True
+    engine: RagEngine,
+    lengths: Sequence[int],
+    runs: int,
+    gguf: str | None,
+    progress: bool = True,
+    reference: RagEngine | None = None,
 ) -> list[PeerRow]:
     """Every peer at every length; unavailable peers get one row each with the reason.
 
     ``progress`` shows a bar over (length, peer) naming the peer being timed (an 8K run takes minutes per peer).
+    ``reference``: the same model in float32, whose full prefill is timed too.
     """
     rows: list[PeerRow] = []
     with tqdm(desc="peers", unit="peer", disable=not progress) as bar:
         for target in lengths:
             work = build_workload(engine, target)
-            peers = engine_peers(engine, work)
+            peers = engine_peers(engine, work, reference)
             peers["LangChain HuggingFacePipeline"] = huggingface_pipeline_peer(engine, work)
             peers.update(llama_cpp_peers(gguf, work))
             peers["KVBoost (chunk KV reuse, warm)"] = kvboost_peer(engine, work)
             bar.total = len(lengths) * len(peers)
             for name, peer in peers.items():
                 bar.set_postfix_str(f"{name} @{work.tokens}")
-                rows.append(_timed_row(name, work.tokens, peer, runs))
+                row = _timed_row(name, work.tokens, peer, runs)
+                row.threads = torch.get_num_threads()
+                own = name.startswith("llama.cpp")  # the other peers run our model object, or its float32 twin
+                row.dtype = "gguf" if own else "float32" if "float32" in name else engine.lm.compute_dtype
+                rows.append(row)
                 bar.update()
     return rows
 
@@ -240,8 +270,9 @@ def _timed_row(name: str, tokens: int, peer: Timed | str, runs: int) -> PeerRow:
 def format_rows(rows: Sequence[PeerRow]) -> str:
     """A plain-text table: TTFT, speedup against full prefill at the same length, decode tokens/s over how many
     generated tokens."""
-    full = {r.context_tokens: r.ttft_ms for r in rows if r.peer.startswith("full prefill") and r.ttft_ms}
-    lines = [f"{'peer':<54} {'tokens':>6} {'TTFT ms':>9} {'vs full':>8} {'decode tok/s':>12} {'over':>5}"]
+    full = {r.context_tokens: r.ttft_ms for r in rows if r.peer == FULL_PREFILL and r.ttft_ms}
+    head = f"{'peer':<54} {'tokens':>6} {'TTFT ms':>9} {'vs full':>8} {'decode tok/s':>12} {'over':>5} {'32-tok ms':>9}"
+    lines = [head]
     for r in rows:
         if r.ttft_ms is None:
             lines.append(f"{r.peer:<54} {r.context_tokens:>6} {'-':>9} {'-':>8} {'-':>12}  {r.note}")
@@ -249,6 +280,7 @@ def format_rows(rows: Sequence[PeerRow]) -> str:
         ratio = full.get(r.context_tokens, 0) / r.ttft_ms
         decode = f"{r.decode_tokens_per_s:.1f}" if r.decode_tokens_per_s else "-"
         over = str(r.decode_tokens) if r.decode_tokens is not None else "-"
-        line = f"{r.peer:<54} {r.context_tokens:>6} {r.ttft_ms:>9.1f} {ratio:>7.1f}x {decode:>12} {over:>5}"
+        e2e = f"{r.end_to_end_ms:.0f}" if r.end_to_end_ms is not None else "-"
+        line = f"{r.peer:<54} {r.context_tokens:>6} {r.ttft_ms:>9.1f} {ratio:>7.1f}x {decode:>12} {over:>5} {e2e:>9}"
         lines.append(f"{line}  {r.note}".rstrip())
     return "\n".join(lines)

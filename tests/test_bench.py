@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import tiny_model
+from test_weights import tiny_in
 
 from pc_rag import peers as peers_module
 from pc_rag.cli import main
@@ -33,6 +34,16 @@ def test_engine_peers_are_timed(engine: RagEngine) -> None:
     assert "pc-rag tune" in peers["pc-rag cached, fast (splice adapter, no recompute)"]  # a random model has none
 
 
+def test_a_float32_reference_times_its_full_prefill_beside_the_compute_dtype(engine: RagEngine, tokenizer) -> None:
+    quantized = RagEngine(tiny_in("llama", "int4", tokenizer), RagPrompt())
+    rows = run_peers(quantized, [256], runs=1, gguf=None, progress=False, reference=engine)
+    by_name = {r.peer: r for r in rows}
+    assert by_name["full prefill, float32 (transformers, same runtime)"].dtype == "float32"
+    assert by_name["full prefill (transformers, same runtime)"].dtype == "int4"
+    assert by_name["pc-rag cached, naive splice"].end_to_end_ms > by_name["pc-rag cached, naive splice"].ttft_ms
+    assert all(r.threads == torch.get_num_threads() for r in rows)
+
+
 def test_unavailable_peer_reports_why(engine: RagEngine) -> None:
     peers = llama_cpp_peers(None, build_workload(engine, 256))
     assert all(isinstance(p, str) and ("not installed" in p or "GGUF" in p) for p in peers.values())
@@ -45,6 +56,7 @@ def test_decode_speed_counts_the_tokens_a_reply_generated() -> None:
     row = measure("peer", 100, stops_at_eos, runs=3)
     assert row.ttft_ms == 10.0 and row.decode_tokens == 5
     assert row.decode_tokens_per_s == pytest.approx(4 / 30 * 1000)
+    assert row.end_to_end_ms == pytest.approx(10.0 + 31 * 7.5)  # a 32-token answer at 7.5 ms per token
     one = measure("peer", 100, lambda n: Reply(10.0, 10.0, 1), runs=1)
     assert one.decode_tokens_per_s is None and "ended after 1 token" in one.note
 
