@@ -68,6 +68,9 @@ def main(argv: list[str] | None = None) -> int:
     peers.add_argument("--tokens", default="1024,2048,4096,8000", help="comma-separated prompt lengths")
     peers.add_argument("--runs", type=int, default=3, help="timed runs per peer and length (median is reported)")
     peers.add_argument("--json", type=Path, default=None, help="write the rows as JSON here")
+    encode = bench_kinds.add_parser("encode", help="store encoding throughput against the raw batched forward")
+    encode.add_argument("--runs", type=_positive, default=3, help="timed runs per path (median is reported)")
+    encode.add_argument("--json", type=Path, default=None, help="write the rows as JSON here")
     memory = bench_kinds.add_parser("memory", help="bytes per cached token for each storage dtype")
     memory.add_argument("--json", type=Path, default=None, help="write the rows as JSON here")
     _add_eval_parser(commands)
@@ -169,6 +172,11 @@ def _run_bench(args: argparse.Namespace, lm: object) -> None:
             reference = RagEngine(load_model(lm.name, device=args.device), RagPrompt.longbench())
         rows = run_peers(engine, _lengths(args.tokens), args.runs, str(gguf) if gguf else None, reference=reference)
         print(format_rows(rows))
+    elif args.kind == "encode":
+        from pc_rag.encode_bench import encode_benchmark, format_rows
+
+        rows = encode_benchmark(RagEngine(lm, RagPrompt.longbench()), runs=args.runs)
+        print(format_rows(rows))
     else:
         import torch
 
@@ -241,6 +249,10 @@ def _add_eval_parser(commands: argparse._SubParsersAction) -> None:
     ev.add_argument("--order", default=None, help="open retrieval: how the retrieved chunks are laid out, "
                     "best-first, best-last or lost-in-the-middle, or several comma-separated (each is its own "
                     "setting, open:<order>; default: pc_rag.rag.order.DEFAULT_ORDER)")  # fmt: skip
+    ev.add_argument("--reference-dtype", default=None, choices=COMPUTE_DTYPE_NAMES,
+                    help="answer `full` with the model in this dtype (the other modes use --dtype): a dtype's "
+                    "quality guard, e.g. `--dtype int4 eval --reference-dtype float32 "
+                    "--modes full,selective:1.0,default`")  # fmt: skip
     ev.add_argument("--state", type=Path, default=None, help="resume file (default: the --json path + .partial.jsonl)")
 
 
@@ -282,6 +294,10 @@ def _run_eval(args: argparse.Namespace) -> int:
 
     lm = load_model(args.model or DEFAULT_MODEL, device=args.device, dtype=args.dtype or "float32")
     engine = RagEngine(lm, RagPrompt.longbench())
+    reference = None
+    if args.reference_dtype is not None:
+        reference_lm = load_model(args.model or DEFAULT_MODEL, device=args.device, dtype=args.reference_dtype)
+        reference = RagEngine(reference_lm, RagPrompt.longbench())
     stores = args.store_dir or cache_dir() / "eval-stores"
     records = []
     sources: list[ContextSource] = []
@@ -292,12 +308,16 @@ def _run_eval(args: argparse.Namespace) -> int:
             pooled = OpenContexts(engine, examples, args.k, stores)
             sources += [pooled.in_order(order) for order in orders]
     for contexts in sources:
-        records += run_eval(engine, examples, modes, contexts, state_path=state, max_new_tokens=args.max_new_tokens)
+        records += run_eval(
+            engine, examples, modes, contexts, state_path=state, max_new_tokens=args.max_new_tokens, reference=reference
+        )
     rows = aggregate(records, modes)
     print(format_table(rows))
     if args.json:
         config = {
             "model": lm.name,
+            "dtype": lm.compute_dtype,
+            "full_dtype": args.reference_dtype or lm.compute_dtype,
             "datasets": [str(p) for p in args.dataset],
             "limit": args.limit,
             "include_tuning_split": args.include_tuning_split,

@@ -97,3 +97,16 @@ def test_footprint_matches_the_kv_shape(engine: RagEngine) -> None:
 def test_bad_lengths_are_refused_before_loading(tokens: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["bench", "peers", "--tokens", tokens]) == 2
     assert "--tokens" in capsys.readouterr().err
+
+
+def test_encode_bench_times_the_forward_the_engine_and_a_store(engine: RagEngine, monkeypatch) -> None:
+    from test_document_store import embedder
+
+    from pc_rag import encode_bench
+
+    few = encode_bench.sample_questions()[:2]
+    monkeypatch.setattr(encode_bench, "sample_questions", lambda: few)
+    rows = encode_bench.encode_benchmark(engine, runs=1, embedder=embedder())
+    assert [r.vs_forward is not None for r in rows] == [True, True, True]
+    assert rows[0].vs_forward == 1.0 and all(r.tokens == rows[0].tokens > 0 for r in rows)
+    assert "tokens/s" in encode_bench.format_rows(rows)

@@ -203,3 +203,13 @@ def test_report_json_table_and_plot(tmp_path: Path) -> None:
     png = tmp_path / "plot.png"
     plot(rows, png)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_reference_engine_answers_full_and_the_engine_every_mode() -> None:
+    """A dtype's quality guard: full prefill by the reference (say float32), the modes by the engine (say int4)."""
+    engine, reference = FakeEngine(), FakeEngine()
+    examples = make_examples(per=2)
+    records = run_eval(engine, examples, ["naive", "default"], progress=False, reference=reference)
+    assert {c[2] for c in reference.calls if c[0] == "answer"} == {"full"}
+    assert {c[2] for c in engine.calls if c[0] == "answer"} == {"naive", "default"}
+    assert len(records) == 3 * len(examples)

@@ -82,8 +82,12 @@ def run_eval(
     state_path: str | Path | None = None,
     max_new_tokens: int = 32,
     progress: bool = True,
+    reference: EvalEngine | None = None,
 ) -> list[QuestionRecord]:
     """Answer every example in ``full`` (always, first) and each of ``modes``; one record per (example, mode).
+
+    ``reference`` answers ``full`` instead of ``engine`` (the same model in another dtype: every mode, and the
+    engine's own full prefill as ``selective:1.0``, is then measured against it).
 
     ``contexts`` supplies each example's chunks (default: closed context, its own passages).
     With ``state_path``, records already there are reused and each new one is appended as it finishes.
@@ -103,7 +107,7 @@ def run_eval(
         for example, example_keys in zip(examples, keys, strict=True):
             todo = [k for k in example_keys if k not in done]
             if todo:
-                for record in _run_example(engine, contexts, example, todo, max_new_tokens):
+                for record in _run_example(engine, contexts, example, todo, max_new_tokens, reference or engine):
                     done[(setting, record.dataset, record.id, record.mode)] = record
                     save(record)
                     bar.update()
@@ -111,7 +115,12 @@ def run_eval(
 
 
 def _run_example(
-    engine: EvalEngine, contexts: ContextSource, example: Example, todo: list[Key], max_new_tokens: int
+    engine: EvalEngine,
+    contexts: ContextSource,
+    example: Example,
+    todo: list[Key],
+    max_new_tokens: int,
+    reference: EvalEngine,
 ) -> Iterator[QuestionRecord]:
     """Yield the records of the ``todo`` keys of one example; full prefill runs (again) whenever a mode needs it."""
 
@@ -137,7 +146,7 @@ def _run_example(
     # full prefill is simply recomputed (greedy, deterministic) rather than stored in the state file.
     # Full prefill only reads the chunks' token ids, which no mode changes: reuse the first mode's encoding.
     full_chunks = chunks(next((m for *_, m in todo if m != FULL), FULL_CHUNKS_MODE))
-    full = engine.answer_full(
+    full = reference.answer_full(
         full_chunks, example.question, max_new_tokens=max_new_tokens, keep_logits=TEACHER_FORCED_STEPS
     )
     reference = full.token_ids[: teacher_forced_steps(full) - 1]  # the last forced step needs no token fed

@@ -47,7 +47,7 @@ from pc_rag.rag.select import deviation_indices, edge_indices, kv_deviation
 from pc_rag.rag.tuned import Tuned
 from pc_rag.rope import RopeSpec
 
-_ENCODE_BATCH = 8
+ENCODE_BATCH = 8
 
 
 @dataclass(frozen=True)
@@ -121,8 +121,8 @@ class RagEngine:
         start = self.canonical_start
         out: dict[int, Chunk] = {}
         order = sorted(range(len(token_ids)), key=lambda i: len(token_ids[i]))  # similar lengths: little padding
-        for b in range(0, len(order), _ENCODE_BATCH):
-            batch = order[b : b + _ENCODE_BATCH]
+        for b in range(0, len(order), ENCODE_BATCH):
+            batch = order[b : b + ENCODE_BATCH]
             spans = [(token_ids[i], range(start, start + len(token_ids[i]))) for i in batch]
             for i, kv in zip(batch, encode_spans(self.lm.model, spans, context), strict=True):
                 ids = tuple(token_ids[i])
