@@ -2,7 +2,8 @@
 
     python examples/results_table.py examples/results/levers30.json [more.json ...] [--dataset all] [--columns ...]
 
-Given `pc-rag bench peers --json` files instead, prints TTFT, speedup and decode speed per peer; given
+Given `pc-rag bench peers --json` files instead, prints TTFT, speedup and decode speed per peer (given
+`pc-rag bench encode --json` files, encoding throughput per path and dtype); given
 `examples/oracle_sweep.py --json` files, first-token and 8-token KL per selection and recompute budget.
 Otherwise prints a Markdown table with one row per (dataset, mode) of the chosen datasets: F1 and its change
 against full prefill with the paired bootstrap interval, answer identity, first-token agreement and KL,
@@ -93,6 +94,22 @@ def peers_table(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
+def encode_table(rows: list[Row]) -> str:
+    """Markdown: one row per encoding path, one column per compute dtype, cells "tokens/s (share of the forward)"."""
+    dtypes = list(dict.fromkeys(r["dtype"] for r in rows))
+    head = ["path", *dtypes]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for path in dict.fromkeys(r["path"] for r in rows):
+        cells = {r["dtype"]: r for r in rows if r["path"] == path}
+        values = [
+            f"{cells[d]['tokens_per_s']:,.0f} ({cells[d]['vs_forward']:.0%})" if d in cells and cells[d]["tokens_per_s"]
+            else "-"
+            for d in dtypes
+        ]  # fmt: skip
+        lines.append("| " + " | ".join([path, *values]) + " |")
+    return "\n".join(lines)
+
+
 SELECTIONS = {
     "query": "the question's attention over the spliced cache, first 2 layers (`query:<share>`, no window)",
     "attention": "oracle: the question's attention in full prefill, all layers",
@@ -124,6 +141,9 @@ def main() -> None:
     parser.add_argument("--columns", default=DEFAULT, help=f"comma-separated, of {', '.join(COLUMNS)}")
     args = parser.parse_args()
     loaded = [json.loads(path.read_text(encoding="utf-8")) for path in args.json]
+    if all(isinstance(d, list) and d and "path" in d[0] for d in loaded):  # bench encode rows
+        print(encode_table([row for d in loaded for row in d]))
+        return
     if all(isinstance(d, list) for d in loaded):  # bench peers rows
         print(peers_table([row for d in loaded for row in d]))
         return

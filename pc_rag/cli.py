@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     idx.add_argument("--mode", default=None, help="recovery mode the store encodes for (new store; default: default)")
     idx.add_argument("--index-kind", default=None, choices=["flat", "hnsw", "ivf"], help="new store; default flat")
     idx.add_argument("--kv-dtype", default=None, choices=["float32", "bfloat16", "float16"],
-                     help="KV storage (new store; default float32)")  # fmt: skip
+                     help="KV storage (new store; default: the model's KV dtype)")  # fmt: skip
     idx.add_argument("--limit", type=_positive, default=None, help="index only the first N documents")
     ask = commands.add_parser("ask", help="answer a question from a document store")
     ask.add_argument("question")
@@ -118,7 +118,7 @@ def _run(args: argparse.Namespace) -> int:
     elif args.command == "index":
         assert docs is not None
         commands.index(lm, docs, args.store, chunk_tokens=args.chunk_tokens, overlap=args.overlap, mode=args.mode,
-                       index_kind=args.index_kind, dtype=args.kv_dtype)  # fmt: skip
+                       index_kind=args.index_kind, kv_dtype=args.kv_dtype)  # fmt: skip
     elif args.command == "ask":
         commands.ask(lm, args.store, args.question, k=args.k, mode=args.mode, compare_full=args.full,
                      max_new_tokens=args.max_new_tokens)  # fmt: skip

@@ -21,7 +21,7 @@ from pc_rag.store.ingest import SourceDocument
 from pc_rag.store.kvstore import STORAGE_DTYPES
 from pc_rag.store.manifest import MANIFEST_NAME
 
-CREATION_DEFAULTS = {"chunk_tokens": 256, "overlap": 32, "mode": "default", "index_kind": "flat", "dtype": "float32"}
+CREATION_DEFAULTS = {"chunk_tokens": 256, "overlap": 32, "mode": "default", "index_kind": "flat", "kv_dtype": None}
 COMMIT_EVERY_CHUNKS = 512  # a killed `index` loses at most this much work
 
 
@@ -64,7 +64,7 @@ def index(lm: LoadedModel, docs: list[SourceDocument], store_dir: Path, **option
         given = {**CREATION_DEFAULTS, **{k: v for k, v in options.items() if v is not None}}
         store = DocumentStore.create(
             store_dir, engine, chunk_tokens=given["chunk_tokens"], overlap_tokens=given["overlap"],
-            mode=given["mode"], index_kind=given["index_kind"], storage_dtype=STORAGE_DTYPES[given["dtype"]],
+            mode=given["mode"], index_kind=given["index_kind"], storage_dtype=STORAGE_DTYPES.get(given["kv_dtype"]),
         )  # fmt: skip
     with store:
         unchanged = sum(store.is_current(d.id, d.text, d.metadata) for d in docs)
@@ -88,7 +88,7 @@ def _note_ignored_options(store: DocumentStore, options: dict[str, object]) -> N
     assert identity is not None
     built = {
         "chunk_tokens": identity.chunk_tokens, "overlap": identity.overlap_tokens, "mode": store.mode,
-        "index_kind": identity.index_kind, "dtype": identity.model_dtype.split("/")[-1],
+        "index_kind": identity.index_kind, "kv_dtype": identity.model_dtype.split("/")[-1],
     }  # fmt: skip
     for name, value in options.items():
         if value is not None and value != built[name]:

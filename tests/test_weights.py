@@ -120,7 +120,7 @@ def test_a_store_refuses_kv_made_in_another_compute_dtype(tmp_path, tokenizer) -
 def test_a_store_built_in_int4_answers_in_int4(tmp_path, tokenizer) -> None:
     engine = RagEngine(tiny_in("llama", "int4", tokenizer), RagPrompt())
     store = make_store(tmp_path, engine)
-    assert store.manifest.identity.model_dtype == "int4/float32"
+    assert store.manifest.identity.model_dtype == "int4/bfloat16"  # KV stored as the model computes it
     answer = DocumentStore.load(tmp_path / "store", engine, embedder=embedder()).answer("How tall?", k=2)
     assert answer.result.token_ids
 

@@ -96,11 +96,11 @@ class DocumentStore:
         chunk_tokens: int = 256,
         overlap_tokens: int = 32,
         mode: str = "default",
-        storage_dtype: torch.dtype = torch.float32,
+        storage_dtype: torch.dtype | None = None,
         lru_bytes: int = DEFAULT_LRU_BYTES,
     ) -> DocumentStore:
-        """Start an empty store in ``directory`` (new, or empty), holding its writer lock."""
-        directory = Path(directory)
+        """Start an empty store in ``directory`` (new, or empty), holding its writer lock (KV in ``storage_dtype``)."""
+        directory, storage_dtype = Path(directory), storage_dtype or engine.kv_dtype  # default: the engine's
         _refuse_existing(directory)
         if chunk_tokens < 1 or not 0 <= overlap_tokens < chunk_tokens:
             got = f"got {chunk_tokens} and {overlap_tokens}"
