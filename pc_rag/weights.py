@@ -15,7 +15,8 @@ This module knows nothing about caches.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -79,12 +80,13 @@ def apply_compute_dtype(model: nn.Module, compute: ComputeDtype) -> nn.Module:
 KERNEL_ROWS = 4  # up to this many rows (decoding) the fused kernels win; beyond, the dense GEMM does
 
 
-class QuantizedLinear(nn.Module):
+class QuantizedLinear(nn.Module, ABC):
     """A linear layer whose weight is stored quantized for reading few rows (decode steps) fast.
 
     ``weight`` holds the dequantized weight in the activations' dtype for many rows at once (prefill,
     recompute), where the GEMM is compute-bound and the fused kernels are slow: memory buys prefill speed.
-    Both paths apply the same quantized weight.
+    Both paths apply the same quantized weight. A subclass names its CPU kernel (``matmul``), the
+    tensors it reads (``kernel_tensors``) and how those of several layers are joined (``joined``).
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
@@ -94,16 +96,34 @@ class QuantizedLinear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.in_features)
-        if flat.shape[0] > KERNEL_ROWS or x.device.type != "cpu" or x.dtype != torch.bfloat16:
+        tensors = self.kernel_tensors()
+        rows = x.numel() // self.in_features
+        if tensors is None or rows > KERNEL_ROWS or x.device.type != "cpu" or x.dtype != torch.bfloat16:
             return F.linear(x, self.weight, self.bias)
-        out = self._kernel(flat.contiguous())
-        if self.bias is not None:
-            out = out + self.bias
-        return out.reshape(*x.shape[:-1], self.out_features)
+        return _kernel_call(type(self).matmul, tensors, self.bias, x)
 
-    def _kernel(self, x: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
+    @staticmethod
+    @abstractmethod
+    def matmul(x: torch.Tensor, *tensors: torch.Tensor) -> torch.Tensor:
+        """``x`` [rows, in] (bfloat16, CPU) times the weight the kernel tensors hold."""
+
+    @abstractmethod
+    def kernel_tensors(self) -> tuple[torch.Tensor, ...] | None:
+        """What ``matmul`` reads; None where there is no kernel (off the CPU, or a shape it cannot take)."""
+
+    @classmethod
+    @abstractmethod
+    def joined(cls, layers: Sequence[QuantizedLinear]) -> tuple[torch.Tensor, ...] | None:
+        """The kernel tensors of ``layers`` (same input) stacked along the output: one call computes all."""
+
+
+def _kernel_call(
+    matmul: Callable[..., torch.Tensor], tensors: tuple[torch.Tensor, ...], bias: torch.Tensor | None, x: torch.Tensor
+) -> torch.Tensor:
+    out = matmul(x.reshape(-1, x.shape[-1]).contiguous(), *tensors)
+    if bias is not None:
+        out = out + bias
+    return out.reshape(*x.shape[:-1], -1)
 
 
 class Int8Linear(QuantizedLinear):
@@ -122,14 +142,23 @@ class Int8Linear(QuantizedLinear):
         bias = None if linear.bias is None else linear.bias.detach().to(dtype)
         return cls(qweight, scales.to(dtype), bias)
 
-    def _kernel(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.aten._weight_int8pack_mm(x, self.qweight, self.scales)
+    @staticmethod
+    def matmul(x: torch.Tensor, *tensors: torch.Tensor) -> torch.Tensor:
+        qweight, scales = tensors
+        return torch.ops.aten._weight_int8pack_mm(x, qweight, scales)
+
+    def kernel_tensors(self) -> tuple[torch.Tensor, ...] | None:
+        return (self.qweight, self.scales) if self.qweight.device.type == "cpu" else None
+
+    @classmethod
+    def joined(cls, layers: Sequence[QuantizedLinear]) -> tuple[torch.Tensor, ...] | None:
+        return torch.cat([layer.qweight for layer in layers]), torch.cat([layer.scales for layer in layers])
 
 
 class Int4Linear(QuantizedLinear):
     """Weight ``(q - 8) * scale + zero`` per group of 32 inputs, ``q`` in 0..15 (min-max, asymmetric).
 
-    ``q`` is kept one per byte (to fuse layers); ``packed`` holds it two per byte in the layout of
+    ``q`` is kept one per byte (to join layers); ``packed`` holds it two per byte in the layout of
     ``_weight_int4pack_mm_for_cpu`` (CPU only); ``scales_and_zeros`` is [in / 32, out, 2].
     """
 
@@ -157,10 +186,18 @@ class Int4Linear(QuantizedLinear):
         bias = None if linear.bias is None else linear.bias.detach().to(dtype)
         return cls(q.to(torch.uint8), scales_and_zeros, bias)
 
-    def _kernel(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is None:
-            return F.linear(x, self.weight)
-        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, INT4_GROUP, self.scales_and_zeros)
+    @staticmethod
+    def matmul(x: torch.Tensor, *tensors: torch.Tensor) -> torch.Tensor:
+        packed, scales_and_zeros = tensors
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, INT4_GROUP, scales_and_zeros)
+
+    def kernel_tensors(self) -> tuple[torch.Tensor, ...] | None:
+        return None if self.packed is None else (self.packed, self.scales_and_zeros)
+
+    @classmethod
+    def joined(cls, layers: Sequence[QuantizedLinear]) -> tuple[torch.Tensor, ...] | None:
+        packed = _pack_int4(torch.cat([layer.q for layer in layers]))
+        return None if packed is None else (packed, torch.cat([layer.scales_and_zeros for layer in layers], dim=1))
 
 
 def _pack_int4(q: torch.Tensor) -> torch.Tensor | None:
@@ -171,47 +208,32 @@ def _pack_int4(q: torch.Tensor) -> torch.Tensor | None:
 
 
 class FusedKernel:
-    """Quantized layers reading the same input, as one fused-kernel call for decode rows: one weight read
-    and one kernel launch instead of one per layer (q/k/v, gate/up). Holds no dense copy."""
+    """Quantized layers reading the same input, as one kernel call for decode rows: one weight read and one
+    launch instead of one per layer (q/k/v, gate/up). Holds no dense copy."""
 
-    def __init__(self, layers: Sequence[QuantizedLinear]) -> None:
+    def __init__(
+        self, kind: type[QuantizedLinear], tensors: tuple[torch.Tensor, ...], layers: Sequence[QuantizedLinear]
+    ) -> None:
+        self._matmul, self._tensors = kind.matmul, tensors
         self.splits = [layer.out_features for layer in layers]
-        self._int4 = isinstance(layers[0], Int4Linear)
-        if self._int4:
-            self._packed = _pack_int4(torch.cat([layer.q for layer in layers]))
-            self._scales = torch.cat([layer.scales_and_zeros for layer in layers], dim=1)
-        else:
-            self._qweight = torch.cat([layer.qweight for layer in layers])
-            self._scales = torch.cat([layer.scales for layer in layers])
-        biases = [layer.bias for layer in layers]
-        self._bias = (
-            None
-            if all(b is None for b in biases)
-            else torch.cat(
-                [
-                    b if b is not None else torch.zeros(n, dtype=self._scales.dtype)
-                    for b, n in zip(biases, self.splits, strict=True)
-                ]
+        self._bias = None
+        if any(layer.bias is not None for layer in layers):
+            zeros = [layer.weight.new_zeros(layer.out_features) for layer in layers]
+            self._bias = torch.cat(
+                [z if layer.bias is None else layer.bias for z, layer in zip(zeros, layers, strict=True)]
             )
-        )
 
     @classmethod
     def of(cls, layers: Sequence[nn.Module]) -> FusedKernel | None:
-        """The fused kernel of ``layers``, or None when they are not all int8 or all int4 layers on the CPU."""
+        """The fused kernel of ``layers``, or None unless they are all int8 or all int4 layers with a kernel."""
         kinds = {type(layer) for layer in layers}
-        if kinds not in ({Int8Linear}, {Int4Linear}) or any(layer.weight.device.type != "cpu" for layer in layers):
+        if len(kinds) != 1 or not issubclass(kind := kinds.pop(), QuantizedLinear):
             return None
-        if kinds == {Int4Linear} and any(layer.packed is None for layer in layers):
+        if any(layer.kernel_tensors() is None for layer in layers):  # type: ignore[attr-defined]
             return None
-        return cls(layers)  # type: ignore[arg-type]
+        tensors = kind.joined(layers)  # type: ignore[arg-type]
+        return None if tensors is None else cls(kind, tensors, layers)  # type: ignore[arg-type]
 
     def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
         """Each layer's output for bfloat16 rows ``x`` [..., in] (at most ``KERNEL_ROWS`` rows)."""
-        flat = x.reshape(-1, x.shape[-1]).contiguous()
-        if self._int4:
-            out = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self._packed, INT4_GROUP, self._scales)
-        else:
-            out = torch.ops.aten._weight_int8pack_mm(flat, self._qweight, self._scales)
-        if self._bias is not None:
-            out = out + self._bias
-        return list(out.reshape(*x.shape[:-1], -1).split(self.splits, dim=-1))
+        return list(_kernel_call(self._matmul, self._tensors, self._bias, x).split(self.splits, dim=-1))
