@@ -6,7 +6,6 @@ person, and leave every decision about serving to the store and the engine.
 
 from __future__ import annotations
 
-import json
 import sys
 import tempfile
 import time
@@ -19,7 +18,7 @@ from pc_rag.store.document_store import DocumentStore
 from pc_rag.store.files import check_store_directory
 from pc_rag.store.ingest import SourceDocument
 from pc_rag.store.kvstore import STORAGE_DTYPES
-from pc_rag.store.manifest import MANIFEST_NAME
+from pc_rag.store.manifest import MANIFEST_NAME, Manifest
 
 CREATION_DEFAULTS = {"chunk_tokens": 256, "overlap": 32, "mode": "default", "index_kind": "flat", "kv_dtype": None}
 COMMIT_EVERY_CHUNKS = 512  # a killed `index` loses at most this much work
@@ -42,12 +41,11 @@ def check_store_target(store_dir: Path, *, must_exist: bool) -> None:
 
 
 def store_compute_dtype(store_dir: Path) -> str | None:
-    """The compute dtype a store's KV was made in (``None`` when there is no readable manifest yet)."""
-    try:
-        identity = json.loads((store_dir / MANIFEST_NAME).read_text())["identity"]
-        return str(identity["model_dtype"]).split("/")[0]
-    except (OSError, ValueError, KeyError, TypeError):
-        return None  # no store yet; a damaged manifest is reported when the store loads
+    """The compute dtype a store's KV was made in (``None`` when there is no store there yet)."""
+    if not (store_dir / MANIFEST_NAME).is_file():
+        return None
+    identity = Manifest.load(store_dir / MANIFEST_NAME).identity  # a damaged manifest is named here
+    return identity.model_dtype.split("/")[0] if identity is not None else None
 
 
 def index(lm: LoadedModel, docs: list[SourceDocument], store_dir: Path, **options: object) -> None:

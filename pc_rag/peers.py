@@ -29,6 +29,8 @@ from pc_rag.rag.engine import Chunk, RagEngine
 from pc_rag.sample import sample_questions
 
 FULL_PREFILL = "full prefill (transformers, same runtime)"  # the row every speedup is measured against
+FULL_PREFILL_FLOAT32 = "full prefill, float32 (transformers, same runtime)"
+LLAMA_CPP = ("llama.cpp full prefill", "llama.cpp, prefix cache warm")
 QUESTION = "Which of the passages above mentions a river, and what is its name?"
 DECODE_TOKENS = 32
 
@@ -129,7 +131,7 @@ def engine_peers(engine: RagEngine, work: Workload, reference: RagEngine | None 
         FULL_PREFILL: full(False),
     }
     if reference is not None:
-        peers["full prefill, float32 (transformers, same runtime)"] = full(False, reference)
+        peers[FULL_PREFILL_FLOAT32] = full(False, reference)
     return peers
 
 
@@ -167,12 +169,11 @@ def huggingface_pipeline_peer(engine: RagEngine, work: Workload) -> Timed | str:
 
 def llama_cpp_peers(gguf: str | None, work: Workload) -> dict[str, Timed | str]:
     """llama.cpp on the GGUF file: full prefill (KV cleared) and with its prefix cache warm."""
-    names = ("llama.cpp full prefill", "llama.cpp, prefix cache warm")
     if importlib.util.find_spec("llama_cpp") is None:
         reason = "llama-cpp-python is not installed (pip install llama-cpp-python; it compiles llama.cpp)"
-        return dict.fromkeys(names, reason)
+        return dict.fromkeys(LLAMA_CPP, reason)
     if gguf is None:
-        return dict.fromkeys(names, "the model was not loaded from a GGUF file")
+        return dict.fromkeys(LLAMA_CPP, "the model was not loaded from a GGUF file")
     from llama_cpp import Llama
 
     threads = torch.get_num_threads()  # llama-cpp-python's default is half the cores
@@ -194,7 +195,7 @@ def llama_cpp_peers(gguf: str | None, work: Workload) -> dict[str, Timed | str]:
         _llama_ms(llm, documents, 1)
         return _llama_ms(llm, prompt, n)
 
-    return dict(zip(names, (cold, warm), strict=True))
+    return dict(zip(LLAMA_CPP, (cold, warm), strict=True))
 
 
 def _llama_ms(llm: object, prompt: list[int], n: int) -> Reply:
@@ -239,6 +240,7 @@ def run_peers(
     ``reference``: the same model in float32, whose full prefill is timed too.
     """
     rows: list[PeerRow] = []
+    dtypes = {FULL_PREFILL_FLOAT32: "float32", **dict.fromkeys(LLAMA_CPP, "gguf")}
     with tqdm(desc="peers", unit="peer", disable=not progress) as bar:
         for target in lengths:
             work = build_workload(engine, target)
@@ -251,8 +253,7 @@ def run_peers(
                 bar.set_postfix_str(f"{name} @{work.tokens}")
                 row = _timed_row(name, work.tokens, peer, runs)
                 row.threads = torch.get_num_threads()
-                own = name.startswith("llama.cpp")  # the other peers run our model object, or its float32 twin
-                row.dtype = "gguf" if own else "float32" if "float32" in name else engine.lm.compute_dtype
+                row.dtype = dtypes.get(name, engine.lm.compute_dtype)  # the others run our model object
                 rows.append(row)
                 bar.update()
     return rows
