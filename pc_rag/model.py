@@ -89,9 +89,16 @@ class LoadedModel:
 def _fingerprint(
     model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, compute: ComputeDtype | None = None
 ) -> str:
-    """Dense models hash their parameters; quantized ones also the quantized layers' buffers, and their name."""
-    config = model.config.get_text_config().to_dict()
-    config.pop("_name_or_path", None)  # where the files were, not what they are
+    """Dense models hash their parameters; quantized ones also the quantized layers' buffers, and their name.
+
+    The config is hashed without the keys that record the library or the run rather than the computation:
+    a fingerprint must outlive a transformers upgrade, or every store and adapter made before it is refused.
+    """
+    config = {
+        key: value
+        for key, value in model.config.get_text_config().to_dict().items()
+        if key not in _NOT_THE_COMPUTATION
+    }
     digest = hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode())
     quantized = compute is not None and compute.linear is not None
     digest.update((compute.name if quantized else str(next(model.parameters()).dtype)).encode())
@@ -110,6 +117,26 @@ def _fingerprint(
             digest.update(name.encode())
             digest.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()[:16]
+
+
+# where the files were, which library wrote the config, and switches for outputs and labels, not for the math
+_NOT_THE_COMPUTATION = frozenset(
+    {
+        "_name_or_path",
+        "transformers_version",
+        "dtype",  # hashed on its own below, as the compute dtype
+        "use_cache",
+        "return_dict",
+        "output_attentions",
+        "output_hidden_states",
+        "chunk_size_feed_forward",
+        "is_encoder_decoder",
+        "problem_type",
+        "id2label",
+        "label2id",
+    }
+)
+_FINGERPRINT_VERSION = 2  # bumped when ``_fingerprint`` changes what it hashes: fingerprints cached before are not read
 
 
 def cache_dir() -> Path:
@@ -162,7 +189,7 @@ def _fingerprint_cache_path(directory: Path, dtype: str) -> Path | None:
     if not weights:
         return None
     stamp = ",".join(f"{p.name}:{p.stat().st_size}:{p.stat().st_mtime_ns}" for p in weights)
-    key = hashlib.sha256(f"{stamp}|{dtype}".encode()).hexdigest()[:16]
+    key = hashlib.sha256(f"{stamp}|{dtype}|{_FINGERPRINT_VERSION}".encode()).hexdigest()[:16]
     return cache_dir() / "fingerprints" / f"{key}.json"
 
 

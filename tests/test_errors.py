@@ -91,6 +91,18 @@ def test_kv_is_never_reused_across_models(tokenizer) -> None:
     assert merged.fingerprint() != b.fingerprint()
 
 
+def test_the_fingerprint_outlives_a_library_upgrade_but_not_a_config_change(tokenizer) -> None:
+    lm = tiny_model("llama", tokenizer)
+    before = lm.fingerprint()
+    config = lm.model.config
+    config.transformers_version, config.return_dict, config.use_cache = "9.9.9", False, False
+    lm.forget_fingerprint()
+    assert lm.fingerprint() == before  # stores and adapters made under another transformers stay valid
+    config.rms_norm_eps *= 10
+    lm.forget_fingerprint()
+    assert lm.fingerprint() != before
+
+
 def test_the_fingerprint_is_cached_per_weight_files_and_dtype(tmp_path, monkeypatch, tokenizer) -> None:
     from pc_rag import model as model_module
 
