@@ -34,7 +34,7 @@ from pc_rag.probe import VALUES_KWARG as VALUES_PROBE
 
 ATTENTION = "pc_rag_sdpa"
 
-_FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
 
 @dataclass(frozen=True)
@@ -156,12 +156,12 @@ def packed_gqa_attention(
     q_len, k_len = query.shape[2], key.shape[2]
     window: int | None = kwargs.get("sliding_window")  # type: ignore[assignment]
     if blocks is None and attention_mask is None and 1 < q_len < k_len:
-        if window is None and _FLASH_CPU is not None and query.device.type == "cpu" and not kwargs.get("softcap"):
+        if window is None and FLASH_CPU is not None and query.device.type == "cpu" and not kwargs.get("softcap"):
             return _after_cache(query, key, value, scaling), None
         blocks = QueryBlocks.after(k_len - q_len, q_len, query.device)
     if isinstance(blocks, QueryBlocks):
         assert not dropout and not kwargs.get("softcap"), "serving attention has no dropout or softcap"
-        if _FLASH_CPU is None or query.device.type != "cpu":
+        if FLASH_CPU is None or query.device.type != "cpu":
             mask = blocks.dense(k_len, window)
             return sdpa_attention_forward(module, query, key, value, mask, scaling=scaling, **kwargs)
         return _blocked(query, key, value, blocks, window, scaling), None
@@ -191,7 +191,7 @@ def _blocked(
     for (a, b, _, _), pieces in zip(blocks.bounds, blocks.pieces(window, n_rep, query.dtype), strict=True):
         q = grouped[:, :, :, a:b].reshape(batch, kv_heads, n_rep * (b - a), dim)
         parts = [
-            _FLASH_CPU(q, key[:, :, p.start : p.end], value[:, :, p.start : p.end], attn_mask=p.mask, scale=scaling)
+            FLASH_CPU(q, key[:, :, p.start : p.end], value[:, :, p.start : p.end], attn_mask=p.mask, scale=scaling)
             for p in pieces
         ]
         target = out[:, a:b].movedim(1, 3)  # [B, H_kv, n_rep, rows, D], a view of the output
@@ -216,11 +216,11 @@ def _after_cache(
     kv_heads, cached = key.shape[1], key.shape[2] - q_len
     n_rep = heads // kv_heads
     folded = query.reshape(batch, kv_heads, n_rep * q_len, dim)
-    out_a, lse_a = _FLASH_CPU(folded, key[:, :, :cached], value[:, :, :cached], scale=scaling)
+    out_a, lse_a = FLASH_CPU(folded, key[:, :, :cached], value[:, :, :cached], scale=scaling)
     new_k, new_v = key[:, :, cached:], value[:, :, cached:]
     if n_rep > 1:  # the causal kernel has no grouped heads: repeat the new keys only (O(Q), not O(Q^2))
         new_k, new_v = new_k.repeat_interleave(n_rep, dim=1), new_v.repeat_interleave(n_rep, dim=1)
-    out_b, lse_b = _FLASH_CPU(query, new_k, new_v, is_causal=True, scale=scaling)
+    out_b, lse_b = FLASH_CPU(query, new_k, new_v, is_causal=True, scale=scaling)
     share_a = torch.sigmoid(lse_a.reshape(batch, heads, q_len) - lse_b).to(out_b.dtype).unsqueeze(-1)
     out = torch.lerp(out_b, out_a.reshape(batch, heads, q_len, dim), share_a)  # [B, H, Q, D]
     return out.transpose(1, 2).contiguous()

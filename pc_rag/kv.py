@@ -59,15 +59,35 @@ class PreallocatedLayer(DynamicLayer):
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
     ) -> tuple[torch.Tensor, torch.Tensor]:
         n = key_states.shape[-2]
+        keys, values = self.reserve(n)
+        keys[:, :, self._length : self._length + n] = key_states
+        values[:, :, self._length : self._length + n] = value_states
+        self.advance(n)
+        return self.keys, self.values
+
+    def reserve(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The whole key and value buffers, grown to hold ``n`` more tokens; a caller that writes the next
+        ``n`` tokens into them in place then calls ``advance(n)``."""
         if self._length + n > self._kbuf.shape[-2]:
             grow = max(self._length + n, 2 * self._kbuf.shape[-2])
             self._kbuf = _grown(self._kbuf, grow)
             self._vbuf = _grown(self._vbuf, grow)
-        self._kbuf[:, :, self._length : self._length + n] = key_states
-        self._vbuf[:, :, self._length : self._length + n] = value_states
+        return self._kbuf, self._vbuf
+
+    def rebind(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Use ``keys``/``values`` [B, H_kv, capacity, D] as the buffers; they already hold the cached tokens."""
+        self._kbuf, self._vbuf = keys, values
+        self._expose()
+
+    @property
+    def buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The whole key and value buffers [B, H_kv, capacity, D], cached tokens first."""
+        return self._kbuf, self._vbuf
+
+    def advance(self, n: int) -> None:
+        """Count ``n`` tokens written after the cached ones (see ``reserve``)."""
         self._length += n
         self._expose()
-        return self.keys, self.values
 
     def get_seq_length(self) -> int:
         return self._length
@@ -79,7 +99,8 @@ class PreallocatedLayer(DynamicLayer):
 
 
 def _grown(buf: torch.Tensor, capacity: int) -> torch.Tensor:
-    out = buf.new_empty(*buf.shape[:-2], capacity, buf.shape[-1])
+    with torch.inference_mode(False):  # a normal tensor wherever it grows, as ``allocate`` makes them
+        out = buf.new_empty(*buf.shape[:-2], capacity, buf.shape[-1])
     out[..., : buf.shape[-2], :] = buf
     return out
 
@@ -91,10 +112,43 @@ class KVBuffer:
     keys: torch.Tensor
     values: torch.Tensor
 
-    def cache(self, length: int) -> Cache:
+    def cache(self, length: int) -> BufferCache:
         """A transformers ``Cache`` whose layer i writes into ``keys[i]``/``values[i]`` after ``length`` tokens."""
         layers = [PreallocatedLayer(self.keys[i], self.values[i], length) for i in range(self.keys.shape[0])]
-        return Cache(layers=layers)
+        return BufferCache(self, layers)
+
+
+class BufferCache(Cache):
+    """The cache of one ``KVBuffer``: its layers write into the buffer's layer views while they have room."""
+
+    def __init__(self, buffer: KVBuffer, layers: list[PreallocatedLayer]) -> None:
+        super().__init__(layers=layers)
+        self.buffer = buffer
+
+    def gathered(self, room: int) -> KVBuffer:
+        """The buffer, with room for ``room`` more tokens in every layer and every layer's tokens in it.
+
+        A layer that grew on its own (transformers wrote past the capacity) and a buffer short of room are
+        regrouped into one larger buffer (its tensors replaced), so one [L, ...] tensor holds the whole cache.
+        """
+        buffer, layers = self.buffer, self.layers
+        length = max(layer.get_seq_length() for layer in layers)
+        in_place = all(
+            layer.buffers[0].data_ptr() == buffer.keys[i].data_ptr() and layer.buffers[0].shape[-2] >= length + room
+            for i, layer in enumerate(layers)
+        )
+        if in_place:
+            return buffer
+        keys = buffer.keys
+        capacity = max(length + room, 2 * keys.shape[-2])
+        grown = _allocate((*keys.shape[:-2], capacity, keys.shape[-1]), keys.dtype, keys.device)
+        for i, layer in enumerate(layers):
+            n = layer.get_seq_length()
+            for target, source in zip((grown.keys, grown.values), layer.buffers, strict=True):
+                target[i, ..., :n, :] = source[..., :n, :]
+            layer.rebind(grown.keys[i], grown.values[i])
+        buffer.keys, buffer.values = grown.keys, grown.values
+        return buffer
 
 
 def kv_shape(model: PreTrainedModel) -> tuple[int, int, int]:
@@ -108,11 +162,14 @@ def allocate(model: PreTrainedModel, capacity: int, batch: int = 1) -> KVBuffer:
     """Allocate an uninitialized KV buffer for ``capacity`` tokens on the model's device and dtype."""
     layers, heads, head_dim = kv_shape(model)
     param = next(model.parameters())
-    shape = (layers, batch, heads, capacity, head_dim)
-    return KVBuffer(
-        keys=torch.empty(shape, dtype=param.dtype, device=param.device),
-        values=torch.empty(shape, dtype=param.dtype, device=param.device),
-    )
+    return _allocate((layers, batch, heads, capacity, head_dim), param.dtype, param.device)
+
+
+def _allocate(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> KVBuffer:
+    with torch.inference_mode(False):  # normal tensors even when allocated while serving: one kind for all buffers
+        return KVBuffer(
+            keys=torch.empty(shape, dtype=dtype, device=device), values=torch.empty(shape, dtype=dtype, device=device)
+        )
 
 
 class BufferPool:

@@ -63,7 +63,7 @@ def test_query_blocks_equal_sdpa_on_the_dense_mask(
 ) -> None:
     """Random sorted selections of a random cache, then new tokens; blocks of random size."""
     if not fused:
-        monkeypatch.setattr(attention, "_FLASH_CPU", None)  # what a CUDA device runs
+        monkeypatch.setattr(attention, "FLASH_CPU", None)  # what a CUDA device runs
     gen = torch.Generator().manual_seed(seed)
     cached, new = int(torch.randint(1, 300, (1,), generator=gen)), int(torch.randint(1, 40, (1,), generator=gen))
     density = float(torch.rand(1, generator=gen))
@@ -87,13 +87,13 @@ def test_no_mask_means_causal_after_the_cache(monkeypatch: pytest.MonkeyPatch, c
     """A causal run after a cache (prefix caching: a short head, many new tokens) is two kernel calls, no mask:
     the cache unmasked, the new keys by the causal kernel."""
     calls: list[dict[str, object]] = []
-    kernel = attention._FLASH_CPU
+    kernel = attention.FLASH_CPU
 
     def recording(*args: object, **kwargs: object) -> object:
         calls.append(kwargs)
         return kernel(*args, **kwargs)
 
-    monkeypatch.setattr(attention, "_FLASH_CPU", recording)
+    monkeypatch.setattr(attention, "FLASH_CPU", recording)
     monkeypatch.setattr(attention, "sdpa_attention_forward", _refuse)
     monkeypatch.setattr(attention.F, "scaled_dot_product_attention", _refuse)
     torch.manual_seed(0)
