@@ -3,9 +3,9 @@
 A decode step is bandwidth-bound: every weight and the whole cache are read once for one token.
 Through transformers' modules the small int8/int4 kernels run one per projection (7 per layer) and the
 attention of one query takes the generic path. Here q/k/v and gate/up each run as one fused kernel
-(``FusedKernel``), the new key and value are written into the cache layer and the query attends with
-grouped heads (SDPA's ``enable_gqa``), in the order and dtypes of transformers' own forward (its norm,
-rotary and projection modules are called as they are). Models it does not describe exactly
+(``FusedKernel``), the query attends to the cache with its heads grouped, and the new keys and values
+of all layers are written into the preallocated buffer in one copy; transformers' own norm, rotary and
+projection modules are called as they are, in the order and dtypes of its forward. Models it does not describe exactly
 (sliding windows, partial rotary, other norms or activations) get ``None`` from ``DecodeStep.of`` and
 decode through the model's forward. This module knows nothing about prompts or modules.
 """
@@ -22,11 +22,14 @@ from transformers import PreTrainedModel
 from transformers.cache_utils import Cache
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
+from pc_rag.attention import FLASH_CPU
+from pc_rag.kv import BufferCache
 from pc_rag.weights import FusedKernel
 
 _ARCHITECTURES = {"llama", "mistral", "qwen2", "qwen3"}  # rotate-half RoPE on the whole head, RMSNorm, SiLU MLP
-_STEPS: weakref.WeakKeyDictionary[nn.Module, DecodeStep | None] = weakref.WeakKeyDictionary()
+_STEPS: weakref.WeakKeyDictionary[nn.Module, DecodeStep | object | None] = weakref.WeakKeyDictionary()
 _LOCK = threading.Lock()
+_UNBUILT = object()
 
 
 class _Layer:
@@ -39,8 +42,10 @@ class _Layer:
         self.gate_up = FusedKernel.of([mlp.gate_proj, mlp.up_proj])
 
     def __call__(
-        self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], cache: Cache, index: int
-    ) -> torch.Tensor:
+        self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], keys: torch.Tensor, values: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The layer's output for ``x`` [1, 1, hidden] after the cached ``keys``/``values`` [1, H_kv, S, D], and
+        the new token's key and value [1, H_kv, 1, D] (the caller writes them into the cache)."""
         layer = self.layer
         attn, mlp = layer.self_attn, layer.mlp
         h = _rms_norm(layer.input_layernorm, x)
@@ -52,41 +57,102 @@ class _Layer:
         if hasattr(attn, "q_norm"):  # Qwen3 normalizes each head's query and key
             q, k = _rms_norm(attn.q_norm, q), _rms_norm(attn.k_norm, k)
         q, k = apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), *rotary)
-        keys, values = cache.update(k, v.view(1, 1, -1, attn.head_dim).transpose(1, 2), index)
-        out = F.scaled_dot_product_attention(q, keys, values, scale=attn.scaling, enable_gqa=True)
-        x = x + attn.o_proj(out.transpose(1, 2).reshape(1, 1, -1))
+        v = v.view(1, 1, -1, attn.head_dim).transpose(1, 2)
+        x = x + attn.o_proj(_attend(q, k, v, keys, values, attn.scaling))
         h = _rms_norm(layer.post_attention_layernorm, x)
         if self.gate_up is not None:
             gate, up = self.gate_up(h)
         else:
             gate, up = mlp.gate_proj(h), mlp.up_proj(h)
-        return x + mlp.down_proj(F.silu(gate) * up)
+        return x + mlp.down_proj(F.silu(gate) * up), k, v
 
 
 class DecodeStep:
-    """``step(token, position, cache)``: the next token's logits [V] after ``token`` at ``position``."""
+    """``step(token, position, cache)``: the next token's logits [V] after ``token`` at ``position``.
 
-    def __init__(self, model: PreTrainedModel) -> None:
+    ``compiled`` runs the step through ``torch.compile`` with a symbolic cache length: one graph for every
+    context length, in which the norms, rotary, activations and residuals fuse into a few loops. Compiling
+    takes tens of seconds on a CPU (once per process; inductor caches its code on disk), so it is opt-in.
+    """
+
+    def __init__(self, model: PreTrainedModel, compiled: bool = False) -> None:
         self._model = model
         self._decoder = model.get_decoder()
         self._layers = [_Layer(layer) for layer in self._decoder.layers]
+        self.compiled = compiled
+        self._run = torch.compile(self._logits, dynamic=True) if compiled else self._logits
 
     @classmethod
-    def of(cls, model: PreTrainedModel) -> DecodeStep | None:
-        """The model's step, built once per model; None when this step would not equal the model's forward."""
+    def of(cls, model: PreTrainedModel, compiled: bool | None = None) -> DecodeStep | None:
+        """The model's step, built once per model; None when this step would not equal the model's forward.
+
+        ``compiled=True`` or ``False`` (re)builds the step that way for every later call; None keeps what was built.
+        """
         with _LOCK:
-            if model not in _STEPS:
-                _STEPS[model] = cls(model) if _describes(model) else None
+            current = _STEPS.get(model, _UNBUILT)
+            if current is _UNBUILT or (compiled is not None and current is not None and current.compiled != compiled):
+                _STEPS[model] = cls(model, bool(compiled)) if _describes(model) else None
             return _STEPS[model]
 
-    def __call__(self, token: int, position: int, cache: Cache) -> torch.Tensor:
+    @staticmethod
+    def serves(cache: Cache) -> bool:
+        """Whether the step can write into ``cache``: one preallocated buffer, as ``KVBuffer.cache`` makes."""
+        return isinstance(cache, BufferCache) and cache.buffer.keys.shape[1] == 1
+
+    def __call__(self, token: int, position: int, cache: BufferCache) -> torch.Tensor:
+        length = cache.get_seq_length()
+        # a spare slot: the cached keys stay a strict prefix of the buffer, so a compiled graph never
+        # specializes on a full one (a recompile costs as much as the first compile)
+        buffer = cache.gathered(room=2)
+        device = buffer.keys.device
+        logits, keys, values = self._run(
+            torch.tensor([[token]], device=device), torch.tensor([[position]], device=device),
+            buffer.keys, buffer.values, length,
+        )  # fmt: skip
+        buffer.keys[:, :, :, length : length + 1] = keys
+        buffer.values[:, :, :, length : length + 1] = values
+        for layer in cache.layers:
+            layer.advance(1)
+        return logits
+
+    def _logits(
+        self, token: torch.Tensor, position: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, length: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Logits [V] after ``token``, and its keys and values [L, 1, H_kv, 1, D]; reads the first ``length``
+        tokens of the buffers ``keys``/``values`` [L, 1, H_kv, capacity, D] and writes nothing (a compiled graph
+        that mutated them would copy them whole)."""
         decoder = self._decoder
-        device = decoder.embed_tokens.weight.device
-        x = decoder.embed_tokens(torch.tensor([[token]], device=device))
-        rotary = decoder.rotary_emb(x, torch.tensor([[position]], device=device))
+        x = decoder.embed_tokens(token)
+        rotary = decoder.rotary_emb(x, position)
+        new_keys, new_values = [], []
         for index, layer in enumerate(self._layers):
-            x = layer(x, rotary, cache, index)
-        return self._model.lm_head(_rms_norm(decoder.norm, x))[0, -1]
+            x, k, v = layer(x, rotary, keys[index, :, :, :length], values[index, :, :, :length])
+            new_keys.append(k)
+            new_values.append(v)
+        logits = self._model.lm_head(_rms_norm(decoder.norm, x))[0, -1]
+        return logits, torch.stack(new_keys), torch.stack(new_values)
+
+
+def _attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Grouped-query attention of the new token over the cache and itself: ``q`` [1, H, 1, D], ``k``/``v``
+    [1, H_kv, 1, D], cached ``keys``/``values`` [1, H_kv, S, D]; returns [1, 1, H * D].
+
+    On the CPU one flash pass over the cache (heads folded: query head h = g * n_rep + r reads KV head g)
+    returns its log-sum-exp, and the new key's own score is merged in: the cache is read once and never
+    copied. Elsewhere SDPA over the cache and the new key."""
+    folded = q.reshape(1, keys.shape[1], -1, q.shape[-1])  # [1, H_kv, n_rep, D]
+    if FLASH_CPU is not None and q.device.type == "cpu" and keys.shape[2] > 0:
+        out, lse = FLASH_CPU(folded, keys, values, scale=scale)
+        own = (folded.float() * k.float()).sum(-1) * scale  # [1, H_kv, n_rep]
+        share = torch.sigmoid(lse - own).unsqueeze(-1)  # the cache's part of the softmax mass
+        out = torch.lerp(v.float().expand_as(out), out.float(), share).to(q.dtype)  # rounded once, as SDPA does
+    else:
+        out = F.scaled_dot_product_attention(
+            folded, torch.cat([keys, k], dim=2), torch.cat([values, v], dim=2), scale=scale
+        )
+    return out.reshape(1, 1, -1)
 
 
 def _rms_norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:

@@ -123,7 +123,7 @@ def decode_tokens(
     """Generated token ids (EOS excluded) until EOS or ``max_new_tokens``; each step's forward runs through ``call``,
     or, for a plain call on a model it describes, through the fused ``DecodeStep``."""
     kept: list[torch.Tensor] = []
-    fused = DecodeStep.of(model) if call.is_plain else None
+    fused = DecodeStep.of(model) if call.is_plain and DecodeStep.serves(cache) else None
 
     @torch.inference_mode()
     def steps() -> Iterator[int]:

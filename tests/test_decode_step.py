@@ -19,7 +19,9 @@ from pc_rag.model_call import ModelCall
 from pc_rag.pml.nodes import Import, Module, Prompt, Schema, Text
 
 DESCRIBED = ["llama", "llama3-scaled", "mistral", "qwen2", "qwen3"]
-TOLERANCE = {"float32": 1e-5, "bfloat16": 3e-2, "int8": 3e-2, "int4": 3e-2}
+# bf16 attention rounds twice here (the flash pass over the cache, then the merge with the new key) where SDPA
+# over all keys rounds once: a last-bit difference that later layers carry along
+TOLERANCE = {"float32": 1e-5, "bfloat16": 5e-2, "int8": 5e-2, "int4": 5e-2}
 
 
 @pytest.mark.parametrize("dtype", sorted(TOLERANCE))
@@ -51,7 +53,7 @@ def test_each_step_equals_the_forward_and_writes_the_same_cache(tokenizer, arch:
 
 
 def _close(dtype: str) -> dict[str, float]:
-    return {"rtol": 1e-5, "atol": 1e-5} if dtype == "float32" else {"rtol": 5e-2, "atol": 5e-2}
+    return {"rtol": 1e-5, "atol": 1e-5} if dtype == "float32" else {"rtol": 5e-2, "atol": 1e-1}
 
 
 @pytest.mark.parametrize("arch", sorted(set(TINY_CONFIGS) - set(DESCRIBED)))
@@ -87,3 +89,35 @@ def test_plain_calls_decode_through_the_step_and_others_through_the_forward(toke
     params = SamplingParams(max_new_tokens=4)
     tokens = list(decode_tokens(lm.model, cache, logits, 3, params, frozenset(), ModelCall(context=counted)))
     assert steps == [] and len(entered) == len(tokens) - 1 > 0
+
+
+def test_the_compiled_step_equals_the_eager_one_at_every_length_in_one_graph(tokenizer) -> None:
+    lm = tiny_in("llama", "float32", tokenizer)
+    eager, compiled = DecodeStep(lm.model), DecodeStep(lm.model, compiled=True)
+    prompt = tokenizer("The tower stands in Paris and is tall.", add_special_tokens=False)["input_ids"]
+    # room for 2 new tokens: the buffers grow mid-way, and the compiled graph must follow them
+    ours, theirs = allocate(lm.model, len(prompt) + 2), allocate(lm.model, len(prompt) + 2)
+    ours_cache, theirs_cache = ours.cache(0), theirs.cache(0)
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    with torch.inference_mode():
+        for cache in (ours_cache, theirs_cache):
+            lm.model(input_ids=torch.tensor([prompt]), past_key_values=cache, use_cache=True)
+        for position, token in enumerate([5, 77, 301, 9, 12, 40], start=len(prompt)):
+            torch.testing.assert_close(
+                compiled(token, position, ours_cache), eager(token, position, theirs_cache), rtol=1e-4, atol=1e-4
+            )
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs == 1  # not one per length or buffer
+    length = len(prompt) + 6
+    assert ours_cache.get_seq_length() == theirs_cache.get_seq_length() == length
+    for mine, other in zip(ours_cache.layers, theirs_cache.layers, strict=True):
+        torch.testing.assert_close(mine.keys, other.keys, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(mine.values, other.values, rtol=1e-5, atol=1e-5)
+
+
+def test_a_step_is_rebuilt_only_when_asked_another_way(tokenizer) -> None:
+    model = tiny_model("llama", tokenizer).model
+    eager = DecodeStep.of(model)
+    assert eager is not None and not eager.compiled
+    assert DecodeStep.of(model) is eager is DecodeStep.of(model, compiled=False)
+    compiled = DecodeStep.of(model, compiled=True)
+    assert compiled is not None and compiled.compiled and DecodeStep.of(model) is compiled
