@@ -32,9 +32,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default=None, choices=COMPUTE_DTYPE_NAMES,
                         help="compute dtype: float32, bfloat16, or int8 / int4 weights computing in bfloat16 "
                         "(default: the store's, else float32)")  # fmt: skip
-    parser.add_argument("--compile", action="store_true",
-                        help="decode through a torch.compile'd step: faster tokens after a one-time compile "
-                        "(tens of seconds on a CPU, on the first answer)")  # fmt: skip
     parser.add_argument("-v", "--verbose", action="store_true")
     commands = parser.add_subparsers(dest="command", required=True)
     demo = commands.add_parser("demo", help="build a store from sample passages and answer, cached vs full")
@@ -113,7 +110,7 @@ def _run(args: argparse.Namespace) -> int:
             raise PCRagError(msg)
     store = getattr(args, "store", None)
     dtype = args.dtype or (commands.store_compute_dtype(store) if store else None) or "float32"
-    lm = load_model(args.model or DEFAULT_MODEL, device=args.device, dtype=dtype, compile_decode=args.compile)
+    lm = load_model(args.model or DEFAULT_MODEL, device=args.device, dtype=dtype)
     if args.command == "tune":
         return _run_tune(args, lm)
     if args.command == "demo":
@@ -295,9 +292,7 @@ def _run_eval(args: argparse.Namespace) -> int:
     if args.plot:
         require_matplotlib()
 
-    lm = load_model(
-        args.model or DEFAULT_MODEL, device=args.device, dtype=args.dtype or "float32", compile_decode=args.compile
-    )
+    lm = load_model(args.model or DEFAULT_MODEL, device=args.device, dtype=args.dtype or "float32")
     engine = RagEngine(lm, RagPrompt.longbench())
     reference = None
     if args.reference_dtype is not None:

@@ -23,7 +23,6 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from pc_rag.attention import ATTENTION
-from pc_rag.decode_step import DecodeStep
 from pc_rag.errors import ModelLoadError
 from pc_rag.rope import RopeSpec, rope_spec_for
 from pc_rag.weights import ComputeDtype, Int4Linear, Int8Linear, apply_compute_dtype, compute_dtype
@@ -96,7 +95,9 @@ def _fingerprint(
     a fingerprint must outlive a transformers upgrade, or every store and adapter made before it is refused.
     """
     config = {
-        key: value for key, value in model.config.get_text_config().to_dict().items() if key not in _NOT_THE_COMPUTATION
+        key: value
+        for key, value in model.config.get_text_config().to_dict().items()
+        if key not in _NOT_THE_COMPUTATION
     }
     digest = hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode())
     quantized = compute is not None and compute.linear is not None
@@ -151,13 +152,11 @@ def load_model(
     name_or_path: str = DEFAULT_MODEL,
     device: str | torch.device = "cpu",
     dtype: str | torch.dtype = "float32",
-    compile_decode: bool = False,
 ) -> LoadedModel:
     """Load a RoPE causal LM offline: a bundled GGUF name, a ``.gguf`` file, a local HF dir or a cached hub id.
 
     ``dtype`` is the compute dtype: ``float32``, ``bfloat16``, or weight-only ``int8`` / ``int4`` linear
-    layers computing in bfloat16 (``pc_rag.weights``). ``compile_decode`` decodes through a
-    ``torch.compile``d step (``pc_rag.decode_step``): faster tokens after a one-time compile on the first.
+    layers computing in bfloat16 (``pc_rag.weights``).
 
     Raises ``ModelLoadError`` when nothing can be found offline and
     ``UnsupportedModelError`` when the architecture cannot be served.
@@ -176,8 +175,6 @@ def load_model(
     model.to(device).eval()
     apply_compute_dtype(model, compute)
     rope = rope_spec_for(model)
-    if compile_decode and DecodeStep.of(model, compiled=True) is None:
-        logger.warning("%s: no fused decode step for this architecture; decoding through its forward", name_or_path)
     tag = compute.name if compute.linear else str(compute.activations)  # dense tags as before: caches stay valid
     cache = _fingerprint_cache_path(Path(directory), tag)
     return LoadedModel(

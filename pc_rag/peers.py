@@ -2,8 +2,7 @@
 
 One RAG-shaped prompt per context length (LongBench preamble, passages from the
 bundled sample, a question), served by every peer: TTFT is the median of
-``runs`` timed first tokens after a two-token warm-up (a compiled decode step compiles
-there), decode speed is measured on one
+``runs`` timed first tokens after one warm-up, decode speed is measured on one
 32-token reply, and ``end_to_end_ms`` is what a user waits for a 32-token answer:
 TTFT plus 31 tokens at the measured decode speed (the same formula for every peer,
 whether its reply stopped early at EOS or not). llama.cpp runs with as many threads
@@ -24,7 +23,6 @@ from typing import NamedTuple
 import torch
 from tqdm import tqdm
 
-from pc_rag.decode_step import DecodeStep
 from pc_rag.errors import PCRagError
 from pc_rag.generate import GenerationResult
 from pc_rag.rag.engine import Chunk, RagEngine
@@ -32,7 +30,6 @@ from pc_rag.sample import sample_questions
 
 FULL_PREFILL = "full prefill (transformers, same runtime)"  # the row every speedup is measured against
 FULL_PREFILL_FLOAT32 = "full prefill, float32 (transformers, same runtime)"
-FAST = "pc-rag cached, fast (splice adapter, no recompute)"
 LLAMA_CPP = ("llama.cpp full prefill", "llama.cpp, prefix cache warm")
 QUESTION = "Which of the passages above mentions a river, and what is its name?"
 DECODE_TOKENS = 32
@@ -49,7 +46,6 @@ class PeerRow:
     end_to_end_ms: float | None = None  # TTFT + 31 tokens at the decode speed: a 32-token answer
     dtype: str = ""  # our compute dtype (empty for peers with their own weights)
     threads: int = 0
-    compiled_decode: bool = False  # decoded through our torch.compile'd step (``pc-rag --compile``)
 
     def __post_init__(self) -> None:
         if self.end_to_end_ms is None and self.ttft_ms is not None and self.decode_tokens_per_s:
@@ -97,9 +93,9 @@ Timed = Callable[[int], Reply]  # max_new_tokens -> the reply
 
 
 def measure(peer: str, tokens: int, timed: Timed, runs: int) -> PeerRow:
-    """TTFT as the median of ``runs`` one-token replies after a two-token warm-up; decode speed from a reply of
-    up to 32 tokens, over the tokens it actually generated (a reply may end early at EOS)."""
-    timed(2)
+    """TTFT as the median of ``runs`` one-token replies after a warm-up; decode speed from a reply of up to
+    32 tokens, over the tokens it actually generated (a reply may end early at EOS)."""
+    timed(1)
     ttft = statistics.median(timed(1).total_ms for _ in range(runs))
     reply = timed(DECODE_TOKENS)
     decode_ms = reply.total_ms - (reply.first_ms if reply.first_ms is not None else ttft)
@@ -129,7 +125,7 @@ def engine_peers(engine: RagEngine, work: Workload, reference: RagEngine | None 
 
     peers: dict[str, Timed | str] = {
         "pc-rag cached, default recovery": answer("default"),
-        FAST: _with_adapter(engine, answer("fast")),
+        "pc-rag cached, fast (splice adapter, no recompute)": _with_adapter(engine, answer("fast")),
         "pc-rag cached, naive splice": answer("naive"),
         "prefix caching (preamble cached, documents computed)": full(True),
         FULL_PREFILL: full(False),
@@ -245,13 +241,10 @@ def run_peers(
     """
     rows: list[PeerRow] = []
     dtypes = {FULL_PREFILL_FLOAT32: "float32", **dict.fromkeys(LLAMA_CPP, "gguf")}
-    step = DecodeStep.of(engine.lm.model)
-    compiled = step is not None and step.compiled
     with tqdm(desc="peers", unit="peer", disable=not progress) as bar:
         for target in lengths:
             work = build_workload(engine, target)
             peers = engine_peers(engine, work, reference)
-            decoded_by_step = set(peers) - {FAST, FULL_PREFILL_FLOAT32}  # plain calls of our loop on this model
             peers["LangChain HuggingFacePipeline"] = huggingface_pipeline_peer(engine, work)
             peers.update(llama_cpp_peers(gguf, work))
             peers["KVBoost (chunk KV reuse, warm)"] = kvboost_peer(engine, work)
@@ -261,7 +254,6 @@ def run_peers(
                 row = _timed_row(name, work.tokens, peer, runs)
                 row.threads = torch.get_num_threads()
                 row.dtype = dtypes.get(name, engine.lm.compute_dtype)  # the others run our model object
-                row.compiled_decode = compiled and name in decoded_by_step
                 rows.append(row)
                 bar.update()
     return rows

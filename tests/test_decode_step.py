@@ -15,7 +15,6 @@ from pc_rag.decode_step import DecodeStep
 from pc_rag.engine import PromptCache
 from pc_rag.generate import SamplingParams, decode_tokens
 from pc_rag.kv import allocate
-from pc_rag.model import load_model
 from pc_rag.model_call import ModelCall
 from pc_rag.pml.nodes import Import, Module, Prompt, Schema, Text
 
@@ -122,15 +121,3 @@ def test_a_step_is_rebuilt_only_when_asked_another_way(tokenizer) -> None:
     assert DecodeStep.of(model) is eager is DecodeStep.of(model, compiled=False)
     compiled = DecodeStep.of(model, compiled=True)
     assert compiled is not None and compiled.compiled and DecodeStep.of(model) is compiled
-
-
-@pytest.mark.parametrize(("arch", "compiled"), [("llama", True), ("gemma3", None)])
-def test_load_model_can_ask_for_the_compiled_step(tmp_path, monkeypatch, tokenizer, caplog, arch, compiled) -> None:
-    monkeypatch.setenv("PC_RAG_CACHE", str(tmp_path / "cache"))
-    saved = tiny_model(arch, tokenizer)
-    saved.model.save_pretrained(tmp_path / "m")
-    tokenizer.save_pretrained(tmp_path / "m")
-    lm = load_model(str(tmp_path / "m"), compile_decode=True)
-    step = DecodeStep.of(lm.model)
-    assert (step.compiled if step else None) is compiled
-    assert ("no fused decode step" in caplog.text) is (compiled is None)
