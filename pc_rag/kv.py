@@ -59,20 +59,14 @@ class PreallocatedLayer(DynamicLayer):
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
     ) -> tuple[torch.Tensor, torch.Tensor]:
         n = key_states.shape[-2]
-        keys, values = self.reserve(n)
-        keys[:, :, self._length : self._length + n] = key_states
-        values[:, :, self._length : self._length + n] = value_states
-        self.advance(n)
-        return self.keys, self.values
-
-    def reserve(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The whole key and value buffers, grown to hold ``n`` more tokens; a caller that writes the next
-        ``n`` tokens into them in place then calls ``advance(n)``."""
         if self._length + n > self._kbuf.shape[-2]:
             grow = max(self._length + n, 2 * self._kbuf.shape[-2])
             self._kbuf = _grown(self._kbuf, grow)
             self._vbuf = _grown(self._vbuf, grow)
-        return self._kbuf, self._vbuf
+        self._kbuf[:, :, self._length : self._length + n] = key_states
+        self._vbuf[:, :, self._length : self._length + n] = value_states
+        self.advance(n)
+        return self.keys, self.values
 
     def rebind(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Use ``keys``/``values`` [B, H_kv, capacity, D] as the buffers; they already hold the cached tokens."""
@@ -85,7 +79,7 @@ class PreallocatedLayer(DynamicLayer):
         return self._kbuf, self._vbuf
 
     def advance(self, n: int) -> None:
-        """Count ``n`` tokens written after the cached ones (see ``reserve``)."""
+        """Count ``n`` tokens written in place after the cached ones (as ``BufferCache`` writers do)."""
         self._length += n
         self._expose()
 

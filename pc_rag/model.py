@@ -95,9 +95,7 @@ def _fingerprint(
     a fingerprint must outlive a transformers upgrade, or every store and adapter made before it is refused.
     """
     config = {
-        key: value
-        for key, value in model.config.get_text_config().to_dict().items()
-        if key not in _NOT_THE_COMPUTATION
+        key: value for key, value in model.config.get_text_config().to_dict().items() if key not in _NOT_THE_COMPUTATION
     }
     digest = hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode())
     quantized = compute is not None and compute.linear is not None

@@ -112,12 +112,3 @@ def test_the_compiled_step_equals_the_eager_one_at_every_length_in_one_graph(tok
     for mine, other in zip(ours_cache.layers, theirs_cache.layers, strict=True):
         torch.testing.assert_close(mine.keys, other.keys, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(mine.values, other.values, rtol=1e-5, atol=1e-5)
-
-
-def test_a_step_is_rebuilt_only_when_asked_another_way(tokenizer) -> None:
-    model = tiny_model("llama", tokenizer).model
-    eager = DecodeStep.of(model)
-    assert eager is not None and not eager.compiled
-    assert DecodeStep.of(model) is eager is DecodeStep.of(model, compiled=False)
-    compiled = DecodeStep.of(model, compiled=True)
-    assert compiled is not None and compiled.compiled and DecodeStep.of(model) is compiled
