@@ -116,3 +116,11 @@ class StoreMismatchError(StoreError):
 
 class StoreLockedError(StoreError):
     """Another process (or another open store object) is writing to the store; one writer at a time."""
+
+
+class CodecError(PCRagError):
+    """KV cannot be compressed or restored: unknown level, tables made for another model, damaged bytes."""
+
+
+class CodecCorruptedError(CodecError, StoreCorruptedError):
+    """Compressed KV bytes fail their checksum or do not parse; names the chunk when known."""

@@ -1,0 +1,112 @@
+"""The CacheGen codec: one chunk's ``SpanKV`` to self-describing compressed bytes and back.
+
+Bytes: a fixed header (format, level, shape, counts, first position, the table digest), the positions
+if they are not consecutive, the indices and float32 values of the tokens kept exactly, the ANS words,
+and a blake2b checksum of everything before it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+
+import numpy as np
+import torch
+
+from pc_rag.codec.quantize import Quantized, dequantize, quantize
+from pc_rag.codec.tables import CodecTables
+from pc_rag.errors import CodecCorruptedError, CodecError
+from pc_rag.kv import SpanKV
+
+MAGIC = b"PCKV"
+FORMAT = 1
+# magic, format, level, consecutive positions, layers, heads, head dim, length, raw tokens, words, first position
+_HEADER = struct.Struct("<4sBBBxHHHxxIIIq16s")
+_CHECKSUM_BYTES = 8
+
+
+class CacheGenCodec:
+    """Compresses spans with ``tables`` (which must be this model's)."""
+
+    def __init__(self, tables: CodecTables) -> None:
+        self.tables = tables
+
+    def encode(self, span: SpanKV, level: int) -> bytes:
+        """``span`` at quality ``level`` as bytes."""
+        layers, heads, length, dim = span.keys.shape
+        self._check_shape(layers, heads, dim)
+        lv = self.tables.level(level)
+        x = torch.stack([span.keys.detach(), span.values.detach()]).to("cpu", torch.float32)
+        q = quantize(x, self.tables.transform, lv.step, lv.limit)
+        words = self.tables.coder(level).encode(q.symbols)
+        positions = span.positions.to("cpu", torch.int64)
+        first = int(positions[0]) if length else 0
+        consecutive = bool(torch.equal(positions, torch.arange(first, first + length)))
+        header = _HEADER.pack(MAGIC, FORMAT, level, consecutive, layers, heads, dim, length, q.raw.numel(),
+                              len(words), first, self.tables.digest.encode())  # fmt: skip
+        parts = [
+            header,
+            b"" if consecutive else positions.numpy().tobytes(),
+            q.raw.to(torch.int32).numpy().tobytes(),
+            x[:, :, :, q.raw].contiguous().numpy().tobytes(),
+            words.tobytes(),
+        ]
+        body = b"".join(parts)
+        return body + _checksum(body)
+
+    def decode(self, blob: bytes | memoryview, *, dtype: torch.dtype = torch.float32) -> SpanKV:
+        """The span ``encode`` compressed into ``blob``, in ``dtype``; ``CodecCorruptedError`` if damaged."""
+        view = memoryview(blob)
+        if len(view) < _HEADER.size + _CHECKSUM_BYTES or _checksum(view[:-_CHECKSUM_BYTES]) != view[-_CHECKSUM_BYTES:]:
+            raise CodecCorruptedError("compressed KV fails its checksum: the bytes are damaged or truncated")
+        magic, fmt, level, consecutive, layers, heads, dim, length, n_raw, n_words, first, digest = (
+            _HEADER.unpack_from(view)
+        )
+        if magic != MAGIC or fmt != FORMAT:
+            raise CodecCorruptedError(f"not compressed KV of format {FORMAT} (magic {magic!r}, format {fmt})")
+        if digest.decode() != self.tables.digest:
+            msg = f"this chunk was compressed with CacheGen tables {digest.decode()}, these are {self.tables.digest}"
+            raise CodecError(msg)
+        self._check_shape(layers, heads, dim)
+        reader = _Reader(view, _HEADER.size)
+        positions = torch.arange(first, first + length) if consecutive else reader.take(np.int64, (length,))
+        raw = reader.take(np.int32, (n_raw,)).long()
+        raw_values = reader.take(np.float32, (2, layers, heads, n_raw, dim))
+        words = reader.rest(np.uint32, n_words, len(view) - _CHECKSUM_BYTES)
+        lv = self.tables.level(level)
+        symbols = self.tables.coder(level).decode(words, length - n_raw)
+        x = dequantize(Quantized(symbols, raw), self.tables.transform, lv.step, raw_values)
+        return SpanKV(x[0].to(dtype), x[1].to(dtype), positions)
+
+    def _check_shape(self, layers: int, heads: int, dim: int) -> None:
+        if (layers, heads, dim) != self.tables.shape:
+            msg = (
+                f"KV of {layers} layers x {heads} heads x {dim} dims does not fit CacheGen tables "
+                f"{self.tables.digest} ({' x '.join(map(str, self.tables.shape))}): tables of another model"
+            )
+            raise CodecError(msg)
+
+
+class _Reader:
+    """Consecutive arrays out of a byte view, with a clear error instead of a short read."""
+
+    def __init__(self, view: memoryview, offset: int) -> None:
+        self.view, self.offset = view, offset
+
+    def take(self, dtype: type, shape: tuple[int, ...]) -> torch.Tensor:
+        count = int(np.prod(shape))
+        end = self.offset + count * np.dtype(dtype).itemsize
+        if end > len(self.view):
+            raise CodecCorruptedError("compressed KV is shorter than its header says: the bytes are damaged")
+        out = np.frombuffer(self.view, dtype, count, self.offset).reshape(shape)
+        self.offset = end
+        return torch.from_numpy(out.copy())
+
+    def rest(self, dtype: type, count: int, end: int) -> np.ndarray:
+        if self.offset + count * np.dtype(dtype).itemsize != end:
+            raise CodecCorruptedError("compressed KV has an inconsistent length: the header and the body disagree")
+        return np.frombuffer(self.view, dtype, count, self.offset)
+
+
+def _checksum(data: bytes | memoryview) -> bytes:
+    return hashlib.blake2b(data, digest_size=_CHECKSUM_BYTES).digest()

@@ -1,0 +1,39 @@
+"""CacheGen quality levels: the quantization step of each, in units of a head's RMS. Higher levels keep more.
+
+This module knows nothing about tensors or entropy coding.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pc_rag.errors import CodecError
+
+LIMIT = 127  # symbols are int8: a token with a coefficient beyond LIMIT steps is kept exactly instead
+
+
+class UnknownLevelError(CodecError, ValueError):
+    """A CacheGen level that is not defined."""
+
+
+@dataclass(frozen=True)
+class Level:
+    """Quantization ``step`` (x the head's RMS) and the symbol range ``[-limit, limit]`` of one level."""
+
+    number: int
+    step: float
+    limit: int = LIMIT
+
+
+LEVELS: dict[int, Level] = {lv.number: lv for lv in (Level(1, 1.0), Level(2, 0.7), Level(3, 0.5), Level(4, 0.35),
+                                                     Level(5, 0.25))}  # fmt: skip
+DEFAULT_LEVEL = 4  # provisional: the coarsest level under KL 0.01 in a 12-question probe; the dev eval decides
+
+
+def level(number: int) -> Level:
+    """The level numbered ``number``; ``UnknownLevelError`` naming the known ones otherwise."""
+    try:
+        return LEVELS[number]
+    except KeyError:
+        msg = f"CacheGen level {number} is not defined; levels: {', '.join(map(str, LEVELS))} (higher keeps more)"
+        raise UnknownLevelError(msg) from None

@@ -1,0 +1,99 @@
+"""Transform quantization of one chunk's KV (CacheGen sections 5.1-5.2, adapted to what this model's KV shows).
+
+Each head's vectors are centred and turned into their principal axes (``Transform``, fitted per
+(keys|values, layer, head) on a sample), then quantized with one uniform step per head: ``step`` times
+the head's RMS. In the transform domain a uniform step is the MSE-optimal allocation (components with
+little variance cost almost nothing). Each chunk's first token (a sink of attention
+for the chunk's own tokens) is kept exactly ("raw"), as is any token whose symbols would leave
+``[-limit, limit]``. A layer may be ``anchored``: the other tokens form groups of ``GROUP_TOKENS`` and
+each but the group's first (its anchor) codes its difference from the reconstructed anchor
+(CacheGen's token-wise locality; fitting turns it on only where that leaves less variance).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+GROUP_TOKENS = 10
+
+
+@dataclass
+class Transform:
+    """Per keys/values, layer and head: ``mean`` [2, L, H, D], orthonormal ``basis`` [2, L, H, D, D] (columns),
+    ``rms`` [2, L, H]; ``anchored`` [2, L] bool."""
+
+    mean: torch.Tensor
+    basis: torch.Tensor
+    rms: torch.Tensor
+    anchored: torch.Tensor
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Coefficients [2, L, H, S, D] of KV ``x`` [2, L, H, S, D]."""
+        return torch.matmul(x - self.mean[:, :, :, None], self.basis)
+
+    def inverse(self, c: torch.Tensor) -> torch.Tensor:
+        return torch.matmul(c, self.basis.transpose(-1, -2)).add_(self.mean[:, :, :, None])
+
+    def steps(self, step: float) -> torch.Tensor:
+        """Per-head quantization steps [2, L, H, 1, 1]."""
+        return (step * self.rms)[..., None, None]
+
+
+@dataclass
+class Quantized:
+    """``symbols`` int8 [2, L, H, S_coded, D] of the coded tokens; ``raw`` sorted indices of the exact ones."""
+
+    symbols: torch.Tensor
+    raw: torch.Tensor
+
+
+def quantize(x: torch.Tensor, transform: Transform, step: float, limit: int) -> Quantized:
+    """Quantize KV ``x`` [2, L, H, S, D] (float32) with ``step`` x each head's RMS."""
+    length = x.shape[3]
+    c = transform.forward(x)
+    steps = transform.steps(step)
+    anchors = c[:, :, :, 1::GROUP_TOKENS]
+    anchor_symbols = torch.round(anchors / steps)
+    raw = torch.zeros(length, dtype=torch.bool)
+    raw[0] = True
+    raw[1::GROUP_TOKENS] |= _outside(anchor_symbols, limit)
+    anchor_hat = torch.where(raw[1::GROUP_TOKENS, None], anchors, anchor_symbols * steps)
+    symbols = torch.round((c - _prediction(anchor_hat, transform.anchored, length)) / steps)
+    raw |= _outside(symbols, limit)
+    return Quantized(symbols[:, :, :, ~raw].to(torch.int8), raw.nonzero().flatten())
+
+
+def dequantize(q: Quantized, transform: Transform, step: float, raw_values: torch.Tensor) -> torch.Tensor:
+    """The reconstruction [2, L, H, S, D] float32 of ``q``; ``raw_values`` [2, L, H, n_raw, D] the exact tokens."""
+    kinds, layers, heads, coded, dim = q.symbols.shape
+    length = coded + q.raw.numel()
+    is_raw = torch.zeros(length, dtype=torch.bool)
+    is_raw[q.raw] = True
+    steps = transform.steps(step)
+    c = torch.empty(kinds, layers, heads, length, dim)
+    c[:, :, :, ~is_raw] = q.symbols.float() * steps
+    c[:, :, :, is_raw] = transform.forward(raw_values.float())
+    if bool(transform.anchored.any()):
+        follows = torch.ones(length, dtype=torch.bool)
+        follows[0] = False
+        follows[1::GROUP_TOKENS] = False
+        add = follows & ~is_raw
+        c[:, :, :, add] += _prediction(c[:, :, :, 1::GROUP_TOKENS], transform.anchored, length)[:, :, :, add]
+    return transform.inverse(c)
+
+
+def _prediction(anchor_hat: torch.Tensor, anchored: torch.Tensor, length: int) -> torch.Tensor:
+    """What each token's coefficients are coded against [2, L, H, S, D]: in anchored layers its group's
+    reconstructed anchor ``anchor_hat`` [2, L, H, groups, D] (not for the anchor itself, nor for token 0,
+    which is kept exactly and in no group), zero elsewhere."""
+    pred = torch.zeros(*anchor_hat.shape[:3], length, anchor_hat.shape[4])
+    pred[:, :, :, 1:] = anchor_hat.repeat_interleave(GROUP_TOKENS, dim=3)[:, :, :, : length - 1]
+    pred[:, :, :, 1::GROUP_TOKENS] = 0
+    return pred * anchored[:, :, None, None, None]
+
+
+def _outside(symbols: torch.Tensor, limit: int) -> torch.Tensor:
+    """Per token: whether any of its symbols [2, L, H, S, D] falls outside ``[-limit, limit]``."""
+    return symbols.abs().amax(dim=(0, 1, 2, 4)) > limit

@@ -1,0 +1,163 @@
+"""CacheGen tables: fitted once per model on a sample of modules, stored next to the store.
+
+A table file holds the ``Transform`` (per keys/values, layer and head: mean, principal axes, RMS; per
+layer whether token groups code deltas against their anchor) and, per quality level, the symbol
+counts of every lane (keys|values, layer, head, component) over the symbol range the level uses.
+Levels are recorded with their steps, so a store decodes with the levels it was encoded with even if
+the defaults change. ``digest`` names the exact content; every compressed chunk records the digest
+it needs. Safetensors and JSON only.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from functools import cached_property
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+
+from pc_rag.codec.entropy import SymbolCoder
+from pc_rag.codec.levels import LEVELS, Level
+from pc_rag.codec.quantize import GROUP_TOKENS, Transform, quantize
+from pc_rag.errors import CodecCorruptedError, CodecError
+
+TABLE_FORMAT = "pc-rag-cachegen-tables/1"
+_SYMBOL_MARGIN = 4  # steps beyond the largest symbol seen in fitting that a level can still code
+
+
+@dataclass
+class CodecTables:
+    """One model's ``transform`` and per-level symbol ``counts`` [2, L, H, D, 2 * limit + 1]."""
+
+    fingerprint: str
+    transform: Transform
+    levels: dict[int, Level]
+    counts: dict[int, torch.Tensor]
+    _coders: dict[int, SymbolCoder] = field(default_factory=dict, repr=False, compare=False)
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        """(layers, KV heads, head dim) of the model."""
+        _, layers, heads, dim = self.transform.mean.shape
+        return layers, heads, dim
+
+    @cached_property
+    def digest(self) -> str:
+        """16 hex digits naming this exact content."""
+        h = hashlib.sha256(json.dumps(self._metadata(), sort_keys=True).encode())
+        for name, tensor in sorted(self._tensors().items()):
+            h.update(name.encode())
+            h.update(tensor.contiguous().numpy().tobytes())
+        return h.hexdigest()[:16]
+
+    def level(self, number: int) -> Level:
+        if number not in self.levels:
+            msg = f"the CacheGen tables {self.digest} have no level {number}; they have {sorted(self.levels)}"
+            raise CodecError(msg)
+        return self.levels[number]
+
+    def coder(self, number: int) -> SymbolCoder:
+        """The entropy coder of level ``number`` (built once)."""
+        if number not in self._coders:
+            self._coders[number] = SymbolCoder(self.counts[number].double().numpy(), self.level(number).limit)
+        return self._coders[number]
+
+    def save(self, path: str | Path) -> None:
+        info = {**self._metadata(), "digest": self.digest}
+        save_file(self._tensors(), str(path), metadata={"pc_rag": TABLE_FORMAT, "json": json.dumps(info)})
+
+    @classmethod
+    def load(cls, path: str | Path) -> CodecTables:
+        """Read a table file; ``CodecCorruptedError`` if it is not one or is damaged."""
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                meta = f.metadata() or {}
+                tensors = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 (safe_open has no __iter__)
+        except (OSError, SafetensorError) as e:
+            raise CodecCorruptedError(f"CacheGen tables {path} cannot be read: {e}") from e
+        if meta.get("pc_rag") != TABLE_FORMAT:
+            raise CodecCorruptedError(f"{path} is not a CacheGen table file of format {TABLE_FORMAT}")
+        try:
+            info = json.loads(meta["json"])
+            levels = {int(n): Level(int(n), float(d["step"]), int(d["limit"])) for n, d in info["levels"].items()}
+            transform = Transform(tensors["mean"], tensors["basis"], tensors["rms"], tensors["anchored"])
+            tables = cls(info["fingerprint"], transform, levels, {n: tensors[f"level{n}.counts"] for n in levels})
+        except (KeyError, TypeError, ValueError) as e:
+            raise CodecCorruptedError(f"CacheGen tables {path} are malformed: {e!r}") from e
+        if info.get("digest") != tables.digest:
+            raise CodecCorruptedError(f"CacheGen tables {path} do not match their digest: the file is damaged")
+        return tables
+
+    def _metadata(self) -> dict:
+        levels = {str(n): {"step": lv.step, "limit": lv.limit} for n, lv in sorted(self.levels.items())}
+        return {"fingerprint": self.fingerprint, "levels": levels}
+
+    def _tensors(self) -> dict[str, torch.Tensor]:
+        t = self.transform
+        tensors = {"mean": t.mean, "basis": t.basis, "rms": t.rms, "anchored": t.anchored}
+        tensors.update({f"level{n}.counts": self.counts[n] for n in self.levels})
+        return {name: tensor.contiguous() for name, tensor in tensors.items()}
+
+
+def fit_tables(
+    samples: Sequence[tuple[torch.Tensor, torch.Tensor]], fingerprint: str, levels: Iterable[Level] = LEVELS.values()
+) -> CodecTables:
+    """Fit tables on ``samples`` of (keys, values) [L, H, S, D], keys as stored (after RoPE).
+
+    Counts start at one, so every symbol in a level's range stays codable; a level's range is what the
+    sample needed plus a margin (tokens beyond it are kept exactly).
+    """
+    if not samples:
+        raise CodecError("fitting CacheGen tables needs at least one sample module")
+    kv = [torch.stack([k, v]).float() for k, v in samples]  # [2, L, H, S, D] each
+    transform = _fit_transform(kv)
+    counts, fitted = {}, {}
+    for lv in levels:
+        symbols = [quantize(x, transform, lv.step, lv.limit).symbols for x in kv]
+        limit = min(lv.limit, max(int(s.abs().max()) for s in symbols if s.numel()) + _SYMBOL_MARGIN)
+        fitted[lv.number] = Level(lv.number, lv.step, limit)
+        counts[lv.number] = _count([quantize(x, transform, lv.step, limit).symbols for x in kv], limit)
+    return CodecTables(fingerprint, transform, fitted, counts)
+
+
+def _fit_transform(kv: list[torch.Tensor]) -> Transform:
+    """Per head: mean, principal axes (largest variance first, signs fixed) and RMS; per layer: whether coding
+    deltas against group anchors leaves less variance than coding the centred coefficients."""
+    tokens = sum(x.shape[3] for x in kv)
+    mean = sum(x.sum(dim=3) for x in kv) / tokens
+    centred = [x - mean[:, :, :, None] for x in kv]
+    cov = sum(torch.matmul(c.transpose(-1, -2), c) for c in centred).double() / tokens
+    eigenvalues, basis = torch.linalg.eigh(cov)  # ascending
+    eigenvalues, basis = eigenvalues.flip(-1), basis.flip(-1)
+    signs = torch.sign(basis.gather(-2, basis.abs().argmax(dim=-2, keepdim=True)))
+    basis = (basis * signs).float().contiguous()
+    rms = eigenvalues.clamp(min=1e-12).mean(dim=-1).sqrt().float()
+    plain = Transform(mean, basis, rms, torch.zeros(mean.shape[:2], dtype=torch.bool))
+    alone = delta = torch.zeros(mean.shape[:2], dtype=torch.float64)
+    for x in kv:
+        c = plain.forward(x)[:, :, :, 1:]  # token 0 is kept exactly, in no group
+        anchors = c[:, :, :, ::GROUP_TOKENS].repeat_interleave(GROUP_TOKENS, dim=3)[:, :, :, : c.shape[3]]
+        follower = torch.ones(c.shape[3], dtype=torch.bool)
+        follower[::GROUP_TOKENS] = False
+        alone = alone + c[:, :, :, follower].square().sum(dim=(2, 3, 4))
+        delta = delta + (c - anchors)[:, :, :, follower].square().sum(dim=(2, 3, 4))
+    plain.anchored = delta < alone
+    return plain
+
+
+def _count(symbols: list[torch.Tensor], limit: int) -> torch.Tensor:
+    """Symbol counts per lane [2, L, H, D, 2 * limit + 1] (+1 each) of ``symbols`` [2, L, H, S, D] each."""
+    kinds, layers, heads, _, dim = symbols[0].shape
+    width = 2 * limit + 1
+    lanes = kinds * layers * heads * dim
+    counts = torch.ones(lanes * width, dtype=torch.int64)
+    offsets = torch.arange(lanes)[:, None] * width
+    for s in symbols:
+        flat = s.transpose(3, 4).reshape(lanes, -1).long() + limit + offsets
+        counts += torch.bincount(flat.flatten(), minlength=lanes * width)
+    return counts.view(kinds, layers, heads, dim, width).to(torch.int32)
