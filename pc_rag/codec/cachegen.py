@@ -1,7 +1,7 @@
 """The CacheGen codec: one chunk's ``SpanKV`` to self-describing compressed bytes and back.
 
 Bytes: a fixed header (format, level, shape, counts, first position, the table digest), the positions
-if they are not consecutive, the indices and float32 values of the tokens kept exactly, the ANS words,
+if they are not consecutive, the indices and float32 values of the tokens kept exactly, the rANS words,
 and a blake2b checksum of everything before it.
 """
 
@@ -59,8 +59,8 @@ class CacheGenCodec:
         view = memoryview(blob)
         if len(view) < _HEADER.size + _CHECKSUM_BYTES or _checksum(view[:-_CHECKSUM_BYTES]) != view[-_CHECKSUM_BYTES:]:
             raise CodecCorruptedError("compressed KV fails its checksum: the bytes are damaged or truncated")
-        magic, fmt, level, consecutive, layers, heads, dim, length, n_raw, n_words, first, digest = (
-            _HEADER.unpack_from(view)
+        magic, fmt, level, consecutive, layers, heads, dim, length, n_raw, n_words, first, digest = _HEADER.unpack_from(
+            view
         )
         if magic != MAGIC or fmt != FORMAT:
             raise CodecCorruptedError(f"not compressed KV of format {FORMAT} (magic {magic!r}, format {fmt})")
@@ -72,7 +72,7 @@ class CacheGenCodec:
         positions = torch.arange(first, first + length) if consecutive else reader.take(np.int64, (length,))
         raw = reader.take(np.int32, (n_raw,)).long()
         raw_values = reader.take(np.float32, (2, layers, heads, n_raw, dim))
-        words = reader.rest(np.uint32, n_words, len(view) - _CHECKSUM_BYTES)
+        words = reader.rest(np.uint16, n_words, len(view) - _CHECKSUM_BYTES)
         lv = self.tables.level(level)
         symbols = self.tables.coder(level).decode(words, length - n_raw)
         x = dequantize(Quantized(symbols, raw), self.tables.transform, lv.step, raw_values)

@@ -43,7 +43,7 @@ class Transform:
 
 @dataclass
 class Quantized:
-    """``symbols`` int8 [2, L, H, S_coded, D] of the coded tokens; ``raw`` sorted indices of the exact ones."""
+    """``symbols`` [2, L, H, S_coded, D] (int8 or wider) of the coded tokens; ``raw``: indices of the exact ones."""
 
     symbols: torch.Tensor
     raw: torch.Tensor

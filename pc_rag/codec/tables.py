@@ -64,7 +64,7 @@ class CodecTables:
     def coder(self, number: int) -> SymbolCoder:
         """The entropy coder of level ``number`` (built once)."""
         if number not in self._coders:
-            self._coders[number] = SymbolCoder(self.counts[number].double().numpy(), self.level(number).limit)
+            self._coders[number] = SymbolCoder(self.counts[number].numpy(), self.level(number).limit)
         return self._coders[number]
 
     def save(self, path: str | Path) -> None:
