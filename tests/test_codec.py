@@ -102,8 +102,16 @@ def test_decoding_returns_exactly_the_quantized_kv(tables: CodecTables) -> None:
     out = codec.decode(codec.encode(SpanKV(keys, values, torch.arange(33)), 2))
     lv = tables.level(2)
     q = quantize(x, tables.transform, lv.step, lv.limit)
-    expected = dequantize(q, tables.transform, lv.step, x[:, :, :, q.raw])
+    expected = dequantize(q, tables.transform, lv.step, x[:, :, :, q.raw].half())  # kept tokens: float16
     torch.testing.assert_close(torch.stack([out.keys, out.values]), expected, rtol=0, atol=0)
+
+
+def test_kept_tokens_beyond_float16_stay_float32_exact(tables: CodecTables) -> None:
+    codec = CacheGenCodec(tables)
+    keys, values = _kv(15, seed=6)
+    keys[:, :, 0] = 1e6 + 0.25
+    out = codec.decode(codec.encode(SpanKV(keys, values, torch.arange(15)), 3))
+    assert torch.equal(out.keys[:, :, 0], keys[:, :, 0]) and torch.equal(out.values[:, :, 0], values[:, :, 0])
 
 
 def test_positions_survive_whether_consecutive_or_not(tables: CodecTables) -> None:

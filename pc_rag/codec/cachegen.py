@@ -1,8 +1,8 @@
 """The CacheGen codec: one chunk's ``SpanKV`` to self-describing compressed bytes and back.
 
 Bytes: a fixed header (format, level, shape, counts, first position, the table digest), the positions
-if they are not consecutive, the indices and float32 values of the tokens kept exactly, the rANS words,
-and a blake2b checksum of everything before it.
+if they are not consecutive, the indices and values (float16 if they fit, else float32) of the tokens
+kept exactly, the rANS words, and a blake2b checksum of everything before it.
 """
 
 from __future__ import annotations
@@ -20,9 +20,12 @@ from pc_rag.kv import SpanKV
 
 MAGIC = b"PCKV"
 FORMAT = 1
-# magic, format, level, consecutive positions, layers, heads, head dim, length, raw tokens, words, first position
-_HEADER = struct.Struct("<4sBBBxHHHxxIIIq16s")
+# magic, format, level, consecutive positions, raw dtype, layers, heads, head dim, length, raw tokens, words, first
+# position, table digest
+_HEADER = struct.Struct("<4sBBBBHHHxxIIIq16s")
+_RAW_DTYPES = (np.float32, np.float16)  # exact tokens: float16 when every value fits its range
 _CHECKSUM_BYTES = 8
+_FLOAT16_MAX = float(np.finfo(np.float16).max)
 
 
 class CacheGenCodec:
@@ -42,13 +45,15 @@ class CacheGenCodec:
         positions = span.positions.to("cpu", torch.int64)
         first = int(positions[0]) if length else 0
         consecutive = bool(torch.equal(positions, torch.arange(first, first + length)))
-        header = _HEADER.pack(MAGIC, FORMAT, level, consecutive, layers, heads, dim, length, q.raw.numel(),
+        raw = x[:, :, :, q.raw]
+        raw_dtype = int(bool(raw.numel() == 0 or raw.abs().max() <= _FLOAT16_MAX))
+        header = _HEADER.pack(MAGIC, FORMAT, level, consecutive, raw_dtype, layers, heads, dim, length, q.raw.numel(),
                               len(words), first, self.tables.digest.encode())  # fmt: skip
         parts = [
             header,
             b"" if consecutive else positions.numpy().tobytes(),
             q.raw.to(torch.int32).numpy().tobytes(),
-            x[:, :, :, q.raw].contiguous().numpy().tobytes(),
+            raw.numpy().astype(_RAW_DTYPES[raw_dtype]).tobytes(),
             words.tobytes(),
         ]
         body = b"".join(parts)
@@ -59,10 +64,10 @@ class CacheGenCodec:
         view = memoryview(blob)
         if len(view) < _HEADER.size + _CHECKSUM_BYTES or _checksum(view[:-_CHECKSUM_BYTES]) != view[-_CHECKSUM_BYTES:]:
             raise CodecCorruptedError("compressed KV fails its checksum: the bytes are damaged or truncated")
-        magic, fmt, level, consecutive, layers, heads, dim, length, n_raw, n_words, first, digest = _HEADER.unpack_from(
-            view
+        magic, fmt, level, consecutive, raw_dtype, layers, heads, dim, length, n_raw, n_words, first, digest = (
+            _HEADER.unpack_from(view)
         )
-        if magic != MAGIC or fmt != FORMAT:
+        if magic != MAGIC or fmt != FORMAT or raw_dtype >= len(_RAW_DTYPES):
             raise CodecCorruptedError(f"not compressed KV of format {FORMAT} (magic {magic!r}, format {fmt})")
         if digest.decode() != self.tables.digest:
             msg = f"this chunk was compressed with CacheGen tables {digest.decode()}, these are {self.tables.digest}"
@@ -71,7 +76,7 @@ class CacheGenCodec:
         reader = _Reader(view, _HEADER.size)
         positions = torch.arange(first, first + length) if consecutive else reader.take(np.int64, (length,))
         raw = reader.take(np.int32, (n_raw,)).long()
-        raw_values = reader.take(np.float32, (2, layers, heads, n_raw, dim))
+        raw_values = reader.take(_RAW_DTYPES[raw_dtype], (2, layers, heads, n_raw, dim))
         words = reader.rest(np.uint16, n_words, len(view) - _CHECKSUM_BYTES)
         lv = self.tables.level(level)
         symbols = self.tables.coder(level).decode(words, length - n_raw)

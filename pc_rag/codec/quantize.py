@@ -81,7 +81,9 @@ def dequantize(q: Quantized, transform: Transform, step: float, raw_values: torc
         follows[1::GROUP_TOKENS] = False
         add = follows & ~is_raw
         c[:, :, :, add] += _prediction(c[:, :, :, 1::GROUP_TOKENS], transform.anchored, length)[:, :, :, add]
-    return transform.inverse(c)
+    out = transform.inverse(c)
+    out[:, :, :, is_raw] = raw_values.float()  # as given, not through the transform's rounding
+    return out
 
 
 def _prediction(anchor_hat: torch.Tensor, anchored: torch.Tensor, length: int) -> torch.Tensor:
