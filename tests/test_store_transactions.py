@@ -16,6 +16,7 @@ from pc_rag.errors import StoreCorruptedError, StoreError, StoreLockedError
 from pc_rag.rag import RagEngine, RagPrompt
 from pc_rag.store.document_store import DocumentStore
 from pc_rag.store.files import LEGACY_INDEX_NAME
+from pc_rag.store.manifest import FORMAT_VERSION
 
 
 @pytest.fixture(scope="module")
@@ -184,5 +185,5 @@ def test_a_format_1_store_loads_and_is_upgraded_by_its_next_commit(tmp_path, eng
     assert old.search("Which mountain is the highest of Japan?", k=1)[0].doc_id == "fuji"
     old.delete(["danube"])
     assert not (tmp_path / "store" / LEGACY_INDEX_NAME).exists()
-    assert json.loads((tmp_path / "store" / "manifest.json").read_text())["format_version"] == 2
+    assert json.loads((tmp_path / "store" / "manifest.json").read_text())["format_version"] == FORMAT_VERSION
     load(tmp_path, engine).verify()

@@ -45,6 +45,11 @@ class ByteLRU(Generic[V]):
         if value is not None:
             self.nbytes -= self._size(value)
 
+    def pop_where(self, predicate: Callable[[Hashable], bool]) -> None:
+        """Remove every key for which ``predicate`` is true."""
+        for key in [k for k in self._items if predicate(k)]:
+            self.pop(key)
+
     def clear(self) -> None:
         self._items.clear()
         self.nbytes = 0

@@ -1,4 +1,5 @@
-"""What a store directory holds, by name: the manifest, versioned index files, KV shards, the writer's lock.
+"""What a store directory holds, by name: the manifest, versioned index files, KV shards, codec tables, the
+writer's lock.
 
 ``manifest.json`` is the commit point: it names the one index file and the
 shards that make up the store. Anything else in the directory that looks like
@@ -25,6 +26,7 @@ LEGACY_INDEX_NAME = "index.faiss"  # format 1: one index file, rewritten in plac
 
 _SHARD = re.compile(rf"{SHARD_DIR}/\d{{8}}-[0-9a-f]{{8}}\.safetensors")
 _INDEX = re.compile(r"index-\d{8}\.faiss")
+_TABLES = re.compile(r"codec-[0-9a-f]{16}\.safetensors")
 
 
 def index_name(generation: int) -> str:
@@ -44,6 +46,19 @@ def check_index_name(name: str) -> str:
     """``name`` if it is an index file name this store could have written; ``StoreCorruptedError`` otherwise."""
     if not (_INDEX.fullmatch(name) or name == LEGACY_INDEX_NAME):
         msg = f"the store manifest names the index file {name!r}, which is not an index name (index-NNNNNNNN.faiss)"
+        raise StoreCorruptedError(msg)
+    return name
+
+
+def tables_name(digest: str) -> str:
+    """The file of the CacheGen tables with content digest ``digest``."""
+    return f"codec-{digest}.safetensors"
+
+
+def check_tables_name(name: str) -> str:
+    """``name`` if it is a codec table file name this store could have written; ``StoreCorruptedError`` otherwise."""
+    if not _TABLES.fullmatch(name):
+        msg = f"the store manifest names the codec tables {name!r}, which is not a table name (codec-<16 hex>)"
         raise StoreCorruptedError(msg)
     return name
 
@@ -76,7 +91,10 @@ def unlisted(directory: Path, listed: set[str]) -> list[Path]:
 
     Shards, index files and temp files of interrupted writes; never the manifest, the lock or a user's file.
     """
-    candidates = [*directory.glob(f"{SHARD_DIR}/*"), *directory.glob("index*.faiss"), *directory.glob(".*.tmp")]
+    candidates = [
+        *directory.glob(f"{SHARD_DIR}/*"), *directory.glob("index*.faiss"), *directory.glob("codec-*.safetensors"),
+        *directory.glob(".*.tmp"),
+    ]  # fmt: skip
     ours = [p for p in candidates if p.is_file() and _is_ours(p.relative_to(directory).as_posix())]
     return sorted(p for p in ours if p.relative_to(directory).as_posix() not in listed)
 
@@ -85,6 +103,7 @@ def _is_ours(name: str) -> bool:
     return bool(
         _SHARD.fullmatch(name)
         or _INDEX.fullmatch(name)
+        or _TABLES.fullmatch(name)
         or name == LEGACY_INDEX_NAME
         or (name.rsplit("/", 1)[-1].startswith(".") and name.endswith(".tmp"))
     )

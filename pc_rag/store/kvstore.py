@@ -1,9 +1,11 @@
 """Persistent chunk KV: safetensors shards on disk, memory-mapped on demand, decoded spans in a byte-bounded LRU.
 
 Layout: ``<directory>/manifest.json`` and ``<directory>/kv/<shard>.safetensors``.
-A shard holds, for each chunk id ``c``, tensors ``"c.k"`` and ``"c.v"``
+A raw shard holds, for each chunk id ``c``, tensors ``"c.k"`` and ``"c.v"``
 [L, H_kv, S, D] in the storage dtype and ``"c.pos"`` [S] int64 (the absolute
-positions the keys were rotated at). Every write is a new shard, moved into
+positions the keys were rotated at). A compressed shard (``codec``) holds
+``"c.lN"``: the CacheGen bytes of the chunk at quality level N, for each level
+the store writes; they carry their own positions and checksum. Every write is a new shard, moved into
 place atomically, and only then listed in the manifest with its sha256: a
 crash leaves the previous store. Deleting marks entries dead; ``compact()``
 rewrites shards without them. A shard's checksum is verified the first time
@@ -32,7 +34,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from pc_rag.errors import StoreCorruptedError
+from pc_rag.codec import CacheGenCodec
+from pc_rag.errors import CodecError, StoreCorruptedError, StoreError
 from pc_rag.kv import SpanKV
 from pc_rag.store._atomic import fsync_dir, fsync_file, sha256_file, staged
 from pc_rag.store._lru import ByteLRU
@@ -52,8 +55,10 @@ class KVStore:
     ``get`` returns. Spans returned by ``get`` are shared with the LRU: treat
     them as read-only. ``manifest`` lets a caller share its ``Manifest`` (by
     default ``<directory>/manifest.json`` is loaded, or a new one started, and
-    rewritten on every change: batch writes with ``put_many``). Thread-safe;
-    one writer process at a time.
+    rewritten on every change: batch writes with ``put_many``). With ``codec`` and ``levels``, new
+    shards hold each chunk compressed at every one of ``levels``; ``get`` serves ``level`` (default: the
+    best a chunk has) from compressed shards and raw KV from raw ones. Thread-safe; one writer process
+    at a time.
     """
 
     def __init__(
@@ -65,7 +70,17 @@ class KVStore:
         lru_bytes: int = DEFAULT_LRU_BYTES,
         device: str | torch.device = "cpu",
         manifest: Manifest | None = None,
+        codec: CacheGenCodec | None = None,
+        levels: Iterable[int] = (),
+        level: int | None = None,
     ) -> None:
+        self.levels = tuple(sorted(set(levels)))
+        if self.levels and codec is None:
+            raise ValueError("compressed levels need a codec")
+        for n in (*self.levels, *([level] if level is not None else [])):
+            if codec is not None:
+                codec.tables.level(n)  # CodecError naming the levels the tables have
+        self.codec, self.level = codec, level
         if dtype not in STORAGE_DTYPES.values():
             msg = f"KV storage dtype must be one of {', '.join(STORAGE_DTYPES)}, got {dtype}"
             raise ValueError(msg)
@@ -78,7 +93,7 @@ class KVStore:
         self.manifest = manifest if manifest is not None else Manifest.load(path) if path.exists() else Manifest()
         self._where = self._locate()
         self._handles: dict[str, Any] = {}  # shard name -> open safe_open (mmap)
-        self._lru: ByteLRU[SpanKV] = ByteLRU(lru_bytes, _span_bytes)
+        self._lru: ByteLRU[SpanKV] = ByteLRU(lru_bytes, _span_bytes)  # key: chunk id, or (chunk id, level)
         self._lock = threading.RLock()  # the shard table, handles and LRU
         self._opening: dict[str, threading.Lock] = {}  # shard name -> held while its checksum is verified
 
@@ -115,32 +130,47 @@ class KVStore:
         tensors: dict[str, torch.Tensor] = {}
         spans = {_check_span(cid, span): span for cid, span in spans.items()}
         for cid, span in spans.items():
+            if self.levels:
+                for n in self.levels:
+                    blob = self.codec.encode(span, n)
+                    tensors[f"{cid}.l{n}"] = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
+                continue
             tensors[f"{cid}.k"] = span.keys.detach().to("cpu", self.dtype).contiguous()
             tensors[f"{cid}.v"] = span.values.detach().to("cpu", self.dtype).contiguous()
             tensors[f"{cid}.pos"] = span.positions.detach().to("cpu", torch.int64).contiguous()
+        codec = f"cachegen:{self.codec.tables.digest}" if self.levels else ""
         with self._lock:
-            name, record = self._write_shard(tensors, sorted(spans))
+            name, record = self._write_shard(tensors, sorted(spans), codec, self.levels)
             shards = {n: _kill(s, spans) for n, s in self.manifest.shards.items()}
             shards[name] = record
             self._commit(shards, written=[name])
-            for cid in spans:
-                self._lru.pop(cid)
+            self._forget(spans)
 
-    def get(self, chunk_id: int) -> SpanKV:
-        """The span of ``chunk_id`` on ``device`` in ``compute_dtype``; ``KeyError`` if absent."""
+    def get(self, chunk_id: int, level: int | None = None) -> SpanKV:
+        """The span of ``chunk_id`` on ``device`` in ``compute_dtype``; ``KeyError`` if absent.
+
+        From a compressed shard: at ``level`` (default: the store's ``level``, else the best the chunk has).
+        """
         with self._lock:
-            span = self._lru.get(chunk_id)
-            if span is not None:
-                return span
             name = self._where.get(chunk_id)
             if name is None:
                 msg = f"chunk {chunk_id} is not in the KV store at {self.directory}"
                 raise KeyError(msg)
-        keys, values, positions = self._read(name, chunk_id)
-        span = SpanKV(keys.to(self.device, self.compute_dtype), values.to(self.device, self.compute_dtype), positions)
+            record = self.manifest.shards[name]
+            key = (chunk_id, self._level_of(record, chunk_id, level)) if record.codec else chunk_id
+            span = self._lru.get(key)
+            if span is not None:
+                return span
+        if record.codec:
+            span = self._decode(name, record, *key)
+        else:
+            keys, values, positions = self._read(name, chunk_id)
+            span = SpanKV(keys, values, positions)
+        span = SpanKV(span.keys.to(self.device, self.compute_dtype), span.values.to(self.device, self.compute_dtype),
+                      span.positions)  # fmt: skip
         with self._lock:
             if self._where.get(chunk_id) == name:  # not replaced or deleted while we read
-                self._lru.put(chunk_id, span)
+                self._lru.put(key, span)
         return span
 
     def get_many(self, chunk_ids: Iterable[int]) -> list[SpanKV]:
@@ -153,8 +183,7 @@ class KVStore:
             gone = {int(c): None for c in chunk_ids if c in self._where}
             if gone:
                 self._commit({n: _kill(s, gone) for n, s in self.manifest.shards.items()})
-                for cid in gone:
-                    self._lru.pop(cid)
+                self._forget(gone)
             return len(gone)
 
     def compact(self) -> int:
@@ -171,8 +200,9 @@ class KVStore:
                 record = shards.pop(name)
                 live = _live(record)
                 if live:
-                    raw = {f"{c}.{t}": self._open(name).get_tensor(f"{c}.{t}") for c in live for t in ("k", "v", "pos")}
-                    new_name, new_record = self._write_shard(raw, live)
+                    parts = [f"l{n}" for n in record.levels] if record.codec else ["k", "v", "pos"]
+                    raw = {f"{c}.{t}": self._open(name).get_tensor(f"{c}.{t}") for c in live for t in parts}
+                    new_name, new_record = self._write_shard(raw, live, record.codec, record.levels)
                     shards[new_name] = new_record
             self._commit(shards, written=[n for n in shards if n not in self.manifest.shards])
             for name in retired:
@@ -215,7 +245,9 @@ class KVStore:
             where.update(dict.fromkeys(_live(record), name))
         return where
 
-    def _write_shard(self, tensors: dict[str, torch.Tensor], chunk_ids: list[int]) -> tuple[str, ShardRecord]:
+    def _write_shard(
+        self, tensors: dict[str, torch.Tensor], chunk_ids: list[int], codec: str = "", levels: tuple[int, ...] = ()
+    ) -> tuple[str, ShardRecord]:
         """Write a new shard file atomically (temp, fsync, rename); return its name and record."""
         seq = 1 + max((int(Path(n).name.split("-")[0]) for n in self.manifest.shards), default=0)
         name = f"{SHARD_DIR}/{seq:08d}-{secrets.token_hex(4)}.safetensors"
@@ -223,7 +255,7 @@ class KVStore:
         with staged(path) as tmp:
             save_file(tensors, str(tmp), metadata={"format": "pt", "pc_rag": "kv-shard/1"})
             fsync_file(tmp)
-            record = ShardRecord(sha256=sha256_file(tmp), nbytes=tmp.stat().st_size, chunk_ids=tuple(chunk_ids))
+            record = ShardRecord(sha256_file(tmp), tmp.stat().st_size, tuple(chunk_ids), codec=codec, levels=levels)
             os.replace(tmp, path)
         fsync_dir(path.parent)
         logger.debug("wrote %s: %d chunks, %d bytes", name, len(chunk_ids), record.nbytes)
@@ -282,6 +314,34 @@ class KVStore:
         if actual != record.sha256:
             return f"shard {name} does not match its checksum (sha256 {actual[:12]}…); rebuild the store"
         return None
+
+    def _forget(self, chunk_ids: Iterable[int]) -> None:
+        """Drop the LRU's decoded spans of ``chunk_ids``, at every level."""
+        gone = set(chunk_ids)
+        self._lru.pop_where(lambda key: (key[0] if isinstance(key, tuple) else key) in gone)
+
+    def _level_of(self, record: ShardRecord, chunk_id: int, level: int | None) -> int:
+        wanted = level if level is not None else self.level if self.level is not None else max(record.levels)
+        if wanted not in record.levels:
+            msg = f"chunk {chunk_id} is stored at CacheGen levels {list(record.levels)}, not at level {wanted}"
+            raise StoreError(msg)
+        return wanted
+
+    def _decode(self, name: str, record: ShardRecord, chunk_id: int, level: int) -> SpanKV:
+        if self.codec is None or record.codec != f"cachegen:{self.codec.tables.digest}":
+            have = f"tables {self.codec.tables.digest}" if self.codec else "no codec tables"
+            msg = f"KV shard {name} in {self.directory} was compressed as {record.codec}; this store has {have}"
+            raise StoreCorruptedError(msg)
+        try:
+            blob = self._open(name).get_tensor(f"{chunk_id}.l{level}").numpy()
+        except SafetensorError as e:
+            msg = f"KV shard {name} lacks chunk {chunk_id} at level {level}: {e}"
+            raise StoreCorruptedError(msg) from e
+        try:
+            return self.codec.decode(blob, dtype=self.compute_dtype)
+        except CodecError as e:
+            msg = f"chunk {chunk_id} (level {level}) in KV shard {name} of {self.directory}: {e}"
+            raise StoreCorruptedError(msg) from e
 
     def _read(self, name: str, chunk_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         handle = self._open(name)

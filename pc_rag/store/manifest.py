@@ -19,12 +19,12 @@ from typing import Any
 
 from pc_rag.errors import StoreCorruptedError, StoreError, StoreMismatchError
 from pc_rag.store._atomic import atomic_write
-from pc_rag.store.files import LEGACY_INDEX_NAME, check_index_name, check_shard_name
+from pc_rag.store.files import LEGACY_INDEX_NAME, check_index_name, check_shard_name, check_tables_name
 from pc_rag.store.files import MANIFEST_NAME as MANIFEST_NAME  # its home is files.py; re-exported
 
 logger = logging.getLogger(__name__)
 
-FORMAT_VERSION = 2  # 2: versioned index file with a checksum, commit generation
+FORMAT_VERSION = 3  # 2: versioned index file with a checksum, commit generation; 3: compressed KV shards
 
 
 @dataclass(frozen=True)
@@ -68,12 +68,17 @@ class DocRecord:
 
 @dataclass(frozen=True)
 class ShardRecord:
-    """One safetensors file of chunk KV: checksum, size, the chunks it holds and which of them are deleted."""
+    """One safetensors file of chunk KV: checksum, size, the chunks it holds and which of them are deleted.
+
+    ``codec`` is empty for raw KV, else ``cachegen:<table digest>`` with the quality ``levels`` each chunk has.
+    """
 
     sha256: str
     nbytes: int
     chunk_ids: tuple[int, ...]
     dead: tuple[int, ...] = ()
+    codec: str = ""
+    levels: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -97,13 +102,15 @@ class Manifest:
     shards: dict[str, ShardRecord] = field(default_factory=dict)
     serving: dict[str, str] = field(default_factory=dict)  # what answers assume beyond the KV, e.g. "adapter"
     index: IndexRecord | None = None
+    codec_tables: IndexRecord | None = None  # the CacheGen table file compressed shards decode with
     generation: int = 0
     next_id: int = 0  # chunk ids below it were handed out once and are never reused
     format_version: int = FORMAT_VERSION
 
     def listed_files(self) -> set[str]:
-        """Every file (relative to the store) this manifest commits: its shards and its index file."""
-        return {*self.shards, self.index.name if self.index else LEGACY_INDEX_NAME}
+        """Every file (relative to the store) this manifest commits: its shards, index and codec table files."""
+        tables = {self.codec_tables.name} if self.codec_tables else set()
+        return {*self.shards, self.index.name if self.index else LEGACY_INDEX_NAME, *tables}
 
     def next_chunk_id(self) -> int:
         """A chunk id never handed out by this store (not even to a chunk since deleted and compacted away)."""
@@ -126,6 +133,7 @@ class Manifest:
             "shards": {name: asdict(s) for name, s in sorted(self.shards.items())},
             "serving": dict(sorted(self.serving.items())),
             "index": asdict(self.index) if self.index else None,
+            "codec_tables": asdict(self.codec_tables) if self.codec_tables else None,
             "generation": self.generation,
             "next_id": self.next_id,
         }
@@ -161,7 +169,7 @@ class Manifest:
             )
             raise StoreError(msg)
         try:
-            identity, index = data.get("identity"), data.get("index")
+            identity, index, tables = data.get("identity"), data.get("index"), data.get("codec_tables")
             return cls(
                 identity=StoreIdentity(**identity) if identity is not None else None,
                 chunks={int(i): ChunkRecord(**c) for i, c in data["chunks"].items()},
@@ -169,6 +177,7 @@ class Manifest:
                 shards={check_shard_name(n): _shard(s) for n, s in data["shards"].items()},
                 serving={str(k): str(v) for k, v in data.get("serving", {}).items()},
                 index=IndexRecord(check_index_name(index["name"]), str(index["sha256"])) if index else None,
+                codec_tables=IndexRecord(check_tables_name(tables["name"]), str(tables["sha256"])) if tables else None,
                 generation=int(data.get("generation", 0)),
                 next_id=int(data.get("next_id", 0)),
                 format_version=version,
@@ -204,6 +213,8 @@ def _shard(data: dict[str, Any]) -> ShardRecord:
         nbytes=int(data["nbytes"]),
         chunk_ids=tuple(int(i) for i in data["chunk_ids"]),
         dead=tuple(int(i) for i in data.get("dead", ())),
+        codec=str(data.get("codec", "")),
+        levels=tuple(int(n) for n in data.get("levels", ())),
     )
 
 
