@@ -15,14 +15,14 @@ from pc_rag.errors import CodecCorruptedError
 
 
 class SymbolCoder:
-    """Codes symbols [2, L, H, S, D] in ``[-limit, limit]`` to rANS words and back, with ``counts``
-    [2, L, H, D, 2 * limit + 1] (positive) over ``symbol + limit``."""
+    """Codes symbols [2, L, H, S, D] in ``[-limit, limit]`` to rANS words and back, with frequencies ``freq``
+    [2, L, H, D, 2 * limit + 1] over ``symbol + limit`` (``rans.quantize_probabilities``)."""
 
-    def __init__(self, counts: np.ndarray, limit: int) -> None:
+    def __init__(self, freq: np.ndarray, limit: int) -> None:
         self.limit = limit
-        self.shape = tuple(counts.shape[:4])
+        self.shape = tuple(freq.shape[:4])
         self.lanes = int(np.prod(self.shape))
-        self._freq, self._cum, self._lut = rans.quantize_probabilities(counts.reshape(self.lanes, -1))
+        self._freq, self._cum, self._lut = rans.decoding_tables(freq.reshape(self.lanes, -1))
 
     def encode(self, symbols: torch.Tensor) -> np.ndarray:
         """The rANS words (uint16) of ``symbols`` [2, L, H, S, D] int8."""

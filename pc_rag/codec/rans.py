@@ -22,10 +22,10 @@ _LOW = 1 << 16
 _STATES = 4
 
 
-def quantize_probabilities(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Integer frequencies summing to ``2**PROB_BITS`` (each >= 1) per lane from ``counts`` [lanes, W] (> 0), with
-    their cumulative sums [lanes, W + 1] and the slot-to-symbol table [lanes, 2**PROB_BITS] (uint8). Integer
-    arithmetic only, so encoder and decoder agree on every machine."""
+def quantize_probabilities(counts: np.ndarray) -> np.ndarray:
+    """Integer frequencies [lanes, W] (uint16) summing to ``2**PROB_BITS``, each >= 1, from ``counts`` [lanes, W]
+    (> 0). Integer arithmetic only; the frequencies, not the counts, are what a table stores, so encoder and
+    decoder agree on every machine."""
     counts = np.asarray(counts, dtype=np.int64)
     lanes, width = counts.shape
     if width > min(256, _TOTAL) or (counts <= 0).any():
@@ -33,6 +33,16 @@ def quantize_probabilities(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray, 
     counts = np.maximum(1, counts >> max(0, int(counts.max()).bit_length() - 40))  # no int64 overflow below
     freq = 1 + counts * (_TOTAL - width) // counts.sum(axis=1, keepdims=True)  # sums to at most _TOTAL
     freq[np.arange(lanes), freq.argmax(axis=1)] += _TOTAL - freq.sum(axis=1)
+    return freq.astype(np.uint16)
+
+
+def decoding_tables(freq: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """From frequencies [lanes, W]: the frequencies as uint32, their cumulative sums [lanes, W + 1] and the
+    slot-to-symbol table [lanes, 2**PROB_BITS] (uint8); ``ValueError`` unless each lane sums to the total."""
+    freq = np.asarray(freq, dtype=np.int64)
+    lanes, width = freq.shape
+    if width > 256 or (freq <= 0).any() or (freq.sum(axis=1) != _TOTAL).any():
+        raise ValueError(f"frequency tables must be positive, at most 256 wide and sum to {_TOTAL} per lane")
     cum = np.zeros((lanes, width + 1), dtype=np.int64)
     np.cumsum(freq, axis=1, out=cum[:, 1:])
     lut = np.repeat(np.tile(np.arange(width, dtype=np.uint8), lanes), freq.ravel()).reshape(lanes, _TOTAL)

@@ -2,7 +2,8 @@
 
 A table file holds the ``Transform`` (per keys/values, layer and head: mean, principal axes, RMS; per
 layer whether token groups code deltas against their anchor) and, per quality level, the symbol
-counts of every lane (keys|values, layer, head, component) over the symbol range the level uses.
+frequencies (``rans.PROB_BITS`` fixed point) of every lane (keys|values, layer, head, component) over the
+symbol range the level uses.
 Levels are recorded with their steps, so a store decodes with the levels it was encoded with even if
 the defaults change. ``digest`` names the exact content; every compressed chunk records the digest
 it needs. Safetensors and JSON only.
@@ -21,6 +22,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from pc_rag.codec import rans
 from pc_rag.codec.entropy import SymbolCoder
 from pc_rag.codec.levels import LEVELS, Level
 from pc_rag.codec.quantize import GROUP_TOKENS, Transform, quantize
@@ -32,12 +34,12 @@ _SYMBOL_MARGIN = 4  # steps beyond the largest symbol seen in fitting that a lev
 
 @dataclass
 class CodecTables:
-    """One model's ``transform`` and per-level symbol ``counts`` [2, L, H, D, 2 * limit + 1]."""
+    """One model's ``transform`` and per-level symbol frequencies ``freq`` [2, L, H, D, 2 * limit + 1] (uint16)."""
 
     fingerprint: str
     transform: Transform
     levels: dict[int, Level]
-    counts: dict[int, torch.Tensor]
+    freq: dict[int, torch.Tensor]
     _coders: dict[int, SymbolCoder] = field(default_factory=dict, repr=False, compare=False)
 
     @property
@@ -64,7 +66,7 @@ class CodecTables:
     def coder(self, number: int) -> SymbolCoder:
         """The entropy coder of level ``number`` (built once)."""
         if number not in self._coders:
-            self._coders[number] = SymbolCoder(self.counts[number].numpy(), self.level(number).limit)
+            self._coders[number] = SymbolCoder(self.freq[number].numpy(), self.level(number).limit)
         return self._coders[number]
 
     def save(self, path: str | Path) -> None:
@@ -86,7 +88,7 @@ class CodecTables:
             info = json.loads(meta["json"])
             levels = {int(n): Level(int(n), float(d["step"]), int(d["limit"])) for n, d in info["levels"].items()}
             transform = Transform(tensors["mean"], tensors["basis"], tensors["rms"], tensors["anchored"])
-            tables = cls(info["fingerprint"], transform, levels, {n: tensors[f"level{n}.counts"] for n in levels})
+            tables = cls(info["fingerprint"], transform, levels, {n: tensors[f"level{n}.freq"] for n in levels})
         except (KeyError, TypeError, ValueError) as e:
             raise CodecCorruptedError(f"CacheGen tables {path} are malformed: {e!r}") from e
         if info.get("digest") != tables.digest:
@@ -100,7 +102,7 @@ class CodecTables:
     def _tensors(self) -> dict[str, torch.Tensor]:
         t = self.transform
         tensors = {"mean": t.mean, "basis": t.basis, "rms": t.rms, "anchored": t.anchored}
-        tensors.update({f"level{n}.counts": self.counts[n] for n in self.levels})
+        tensors.update({f"level{n}.freq": self.freq[n] for n in self.levels})
         return {name: tensor.contiguous() for name, tensor in tensors.items()}
 
 
@@ -116,13 +118,14 @@ def fit_tables(
         raise CodecError("fitting CacheGen tables needs at least one sample module")
     kv = [torch.stack([k, v]).float() for k, v in samples]  # [2, L, H, S, D] each
     transform = _fit_transform(kv)
-    counts, fitted = {}, {}
+    freq, fitted = {}, {}
     for lv in levels:
         symbols = [quantize(x, transform, lv.step, lv.limit).symbols for x in kv]
         limit = min(lv.limit, max(int(s.abs().max()) for s in symbols if s.numel()) + _SYMBOL_MARGIN)
         fitted[lv.number] = Level(lv.number, lv.step, limit)
-        counts[lv.number] = _count([quantize(x, transform, lv.step, limit).symbols for x in kv], limit)
-    return CodecTables(fingerprint, transform, fitted, counts)
+        counts = _count([quantize(x, transform, lv.step, limit).symbols for x in kv], limit)
+        freq[lv.number] = torch.from_numpy(rans.quantize_probabilities(counts.flatten(0, 3).numpy())).view(counts.shape)
+    return CodecTables(fingerprint, transform, fitted, freq)
 
 
 def _fit_transform(kv: list[torch.Tensor]) -> Transform:
@@ -160,4 +163,4 @@ def _count(symbols: list[torch.Tensor], limit: int) -> torch.Tensor:
     for s in symbols:
         flat = s.transpose(3, 4).reshape(lanes, -1).long() + limit + offsets
         counts += torch.bincount(flat.flatten(), minlength=lanes * width)
-    return counts.view(kinds, layers, heads, dim, width).to(torch.int32)
+    return counts.view(kinds, layers, heads, dim, width)
