@@ -75,6 +75,10 @@ def main(argv: list[str] | None = None) -> int:
     memory.add_argument("--json", type=Path, default=None, help="write the rows as JSON here")
     _add_eval_parser(commands)
     _add_tune_parser(commands)
+    fit = commands.add_parser("tune-codec", help="fit the model's CacheGen tables on passages of the tuning split")
+    fit.add_argument("--dataset", type=Path, required=True, help="the HotpotQA dev JSONL the tuning split is in")
+    fit.add_argument("--passages", type=_positive, default=200, help="passages to fit on (default 200)")
+    fit.add_argument("--out", type=Path, default=None, help="table file (default: where stores look for it)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(message)s")
     try:
@@ -113,6 +117,8 @@ def _run(args: argparse.Namespace) -> int:
     lm = load_model(args.model or DEFAULT_MODEL, device=args.device, dtype=dtype)
     if args.command == "tune":
         return _run_tune(args, lm)
+    if args.command == "tune-codec":
+        return _run_tune_codec(args, lm)
     if args.command == "demo":
         commands.demo(lm, args.questions)
     elif args.command == "index":
@@ -410,6 +416,20 @@ def _run_tune(args: argparse.Namespace, lm: object) -> int:
     if "calibration" in summary:
         c = summary["calibration"]
         print(f"APE calibration -> {c['path']}: temperature {c['temperature']}, scale {c['scale']}")
+    return 0
+
+
+def _run_tune_codec(args: argparse.Namespace, lm: object) -> int:
+    from pc_rag.rag import RagEngine, RagPrompt
+    from pc_rag.rag.tuned import codec_tables_file, tuned_dirs
+    from pc_rag.tune.codec import fit_codec
+
+    tables = fit_codec(RagEngine(lm, RagPrompt.longbench()), args.dataset, args.passages)
+    out = args.out or tuned_dirs()[0] / codec_tables_file(lm.fingerprint())
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tables.save(out)
+    limits = ", ".join(f"{n}: step {lv.step}, range {lv.limit}" for n, lv in sorted(tables.levels.items()))
+    print(f"CacheGen tables {tables.digest} -> {out} (levels {limits})")
     return 0
 
 

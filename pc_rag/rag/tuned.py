@@ -1,10 +1,10 @@
-"""Where a model's fitted splice adapter and attention calibration live, and loading them on first use.
+"""Where a model's fitted splice adapter, attention calibration and CacheGen tables live; loading on first use.
 
-Both are keyed by the model fingerprint: ``<fingerprint>.safetensors`` (adapter) and
-``<fingerprint>.calibration.json``, looked up first in ``$PC_RAG_CACHE/tuned/`` (what
-``pc-rag tune`` writes) and then in the package (``pc_rag/data/tuned/``, shipped for the
-bundled model). A mode that needs one that does not exist fails with a message saying
-how to make it. This module knows nothing about serving.
+All are keyed by the model fingerprint: ``<fingerprint>.safetensors`` (adapter),
+``<fingerprint>.calibration.json`` and ``<fingerprint>.cachegen.safetensors`` (CacheGen tables), looked
+up first in ``$PC_RAG_CACHE/tuned/`` (what ``pc-rag tune`` and ``pc-rag tune-codec`` write) and then in
+the package (``pc_rag/data/tuned/``, shipped for the bundled model). A mode that needs one that does
+not exist fails with a message saying how to make it. This module knows nothing about serving.
 """
 
 from __future__ import annotations
@@ -31,6 +31,18 @@ def adapter_file(fingerprint: str) -> Path:
 
 def calibration_file(fingerprint: str) -> Path:
     return Path(f"{fingerprint}.calibration.json")
+
+
+def codec_tables_file(fingerprint: str) -> Path:
+    return Path(f"{fingerprint}.cachegen.safetensors")
+
+
+def find_codec_tables(fingerprint: str) -> Path | None:
+    """The CacheGen tables fitted for the model ``fingerprint`` (user cache first, then the package), or None."""
+    return next(
+        (d / codec_tables_file(fingerprint) for d in tuned_dirs() if (d / codec_tables_file(fingerprint)).is_file()),
+        None,
+    )
 
 
 class Tuned:
