@@ -46,6 +46,8 @@ def main(argv: list[str] | None = None) -> int:
     idx.add_argument("--index-kind", default=None, choices=["flat", "hnsw", "ivf"], help="new store; default flat")
     idx.add_argument("--kv-dtype", default=None, choices=["float32", "bfloat16", "float16"],
                      help="KV storage (new store; default: the model's KV dtype)")  # fmt: skip
+    idx.add_argument("--codec", default=None, metavar="raw|cachegen[:LEVEL,...]",
+                     help="compress the KV with CacheGen at these levels (new store; default raw)")  # fmt: skip
     idx.add_argument("--limit", type=_positive, default=None, help="index only the first N documents")
     ask = commands.add_parser("ask", help="answer a question from a document store")
     ask.add_argument("question")
@@ -99,6 +101,7 @@ def _run(args: argparse.Namespace) -> int:
 
     docs = None
     if args.command == "index":  # read and check everything before the model loads or anything is written
+        from pc_rag.store.codec_setup import parse_codec
         from pc_rag.store.ingest import read_documents
 
         overlap, chunk = args.overlap, args.chunk_tokens
@@ -106,6 +109,7 @@ def _run(args: argparse.Namespace) -> int:
             msg = f"--overlap {overlap} must be smaller than --chunk-tokens {chunk or 256}"
             raise PCRagError(msg)
         commands.check_store_target(args.store, must_exist=False)
+        parse_codec(args.codec)
         docs = read_documents(args.paths)[: args.limit]
     elif args.command in ("ask", "store"):
         commands.check_store_target(args.store, must_exist=True)
@@ -124,7 +128,7 @@ def _run(args: argparse.Namespace) -> int:
     elif args.command == "index":
         assert docs is not None
         commands.index(lm, docs, args.store, chunk_tokens=args.chunk_tokens, overlap=args.overlap, mode=args.mode,
-                       index_kind=args.index_kind, kv_dtype=args.kv_dtype)  # fmt: skip
+                       index_kind=args.index_kind, kv_dtype=args.kv_dtype, codec=args.codec)  # fmt: skip
     elif args.command == "ask":
         commands.ask(lm, args.store, args.question, k=args.k, mode=args.mode, compare_full=args.full,
                      max_new_tokens=args.max_new_tokens)  # fmt: skip

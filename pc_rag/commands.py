@@ -14,13 +14,16 @@ from pathlib import Path
 from pc_rag.errors import StoreError
 from pc_rag.model import LoadedModel
 from pc_rag.rag import RagEngine, RagPrompt
+from pc_rag.store.codec_setup import parse_codec
 from pc_rag.store.document_store import DocumentStore
 from pc_rag.store.files import check_store_directory
 from pc_rag.store.ingest import SourceDocument
 from pc_rag.store.kvstore import STORAGE_DTYPES
 from pc_rag.store.manifest import MANIFEST_NAME, Manifest
 
-CREATION_DEFAULTS = {"chunk_tokens": 256, "overlap": 32, "mode": "default", "index_kind": "flat", "kv_dtype": None}
+CREATION_DEFAULTS = {
+    "chunk_tokens": 256, "overlap": 32, "mode": "default", "index_kind": "flat", "kv_dtype": None, "codec": None,
+}  # fmt: skip
 COMMIT_EVERY_CHUNKS = 512  # a killed `index` loses at most this much work
 
 
@@ -63,6 +66,7 @@ def index(lm: LoadedModel, docs: list[SourceDocument], store_dir: Path, **option
         store = DocumentStore.create(
             store_dir, engine, chunk_tokens=given["chunk_tokens"], overlap_tokens=given["overlap"],
             mode=given["mode"], index_kind=given["index_kind"], storage_dtype=STORAGE_DTYPES.get(given["kv_dtype"]),
+            codec=given["codec"],
         )  # fmt: skip
     with store:
         unchanged = sum(store.is_current(d.id, d.text, d.metadata) for d in docs)
@@ -84,11 +88,15 @@ def _note_ignored_options(store: DocumentStore, options: dict[str, object]) -> N
     """Tell the user which creation-only options an existing store ignores."""
     identity = store.manifest.identity
     assert identity is not None
+    levels = store.manifest.codec_levels
     built = {
         "chunk_tokens": identity.chunk_tokens, "overlap": identity.overlap_tokens, "mode": store.mode,
         "index_kind": identity.index_kind, "kv_dtype": identity.model_dtype.split("/")[-1],
+        "codec": "cachegen:" + ",".join(map(str, levels)) if levels else "raw",
     }  # fmt: skip
     for name, value in options.items():
+        if name == "codec" and value is not None:
+            value = "cachegen:" + ",".join(map(str, parse_codec(value))) if parse_codec(value) else "raw"
         if value is not None and value != built[name]:
             flag = "--" + name.replace("_", "-")
             print(f"pc-rag: note: {flag} {value} ignored: the store was created with {built[name]} and keeps it "

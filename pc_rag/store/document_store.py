@@ -28,6 +28,7 @@ from pc_rag.rag.modes import resolve_mode
 from pc_rag.rag.order import BEST_FIRST, DEFAULT_ORDER, reorder
 from pc_rag.store._atomic import sha256_file
 from pc_rag.store.chunking import split_text
+from pc_rag.store.codec_setup import install_codec, open_codec, parse_codec
 from pc_rag.store.committed import manifest_stamp, read_commit
 from pc_rag.store.consistency import RepairReport, check_contents, repair_contents
 from pc_rag.store.embeddings import Embedder, SentenceTransformerEmbedder, as_embedder
@@ -36,13 +37,7 @@ from pc_rag.store.handles import Answer, ModuleHandle
 from pc_rag.store.identity import serving_assumptions, storage_dtype, store_identity, warn_if_serving_changed
 from pc_rag.store.index import VectorIndex
 from pc_rag.store.kvstore import DEFAULT_LRU_BYTES, KVStore
-from pc_rag.store.manifest import (
-    MANIFEST_NAME,
-    ChunkRecord,
-    DocRecord,
-    IndexRecord,
-    Manifest,
-)
+from pc_rag.store.manifest import MANIFEST_NAME, ChunkRecord, DocRecord, IndexRecord, Manifest
 from pc_rag.store.writer_lock import WriterLock
 
 logger = logging.getLogger(__name__)
@@ -98,8 +93,10 @@ class DocumentStore:
         mode: str = "default",
         storage_dtype: torch.dtype | None = None,
         lru_bytes: int = DEFAULT_LRU_BYTES,
+        codec: str | None = None,
     ) -> DocumentStore:
-        """Start an empty store in ``directory`` (new, or empty), holding its writer lock (KV in ``storage_dtype``)."""
+        """Start an empty store in ``directory`` (new, or empty), holding its writer lock (KV in ``storage_dtype``,
+        or compressed: ``codec`` ``cachegen[:LEVEL[,LEVEL...]]`` needs the model's CacheGen tables)."""
         directory, storage_dtype = Path(directory), storage_dtype or engine.kv_dtype  # default: the engine's
         _refuse_existing(directory)
         if chunk_tokens < 1 or not 0 <= overlap_tokens < chunk_tokens:
@@ -110,9 +107,10 @@ class DocumentStore:
         identity = store_identity(engine, embedder, index_kind, chunk_tokens, overlap_tokens, mode, storage_dtype)
         manifest = Manifest(identity=identity, serving=serving_assumptions(engine, mode))
         directory.mkdir(parents=True, exist_ok=True)
-        kv = KVStore(
-            directory, dtype=storage_dtype, compute_dtype=engine.lm.dtype, lru_bytes=lru_bytes, manifest=manifest
-        )
+        levels = parse_codec(codec)
+        kv_codec = install_codec(directory, manifest, engine.lm.fingerprint(), levels) if levels else None
+        kv = KVStore(directory, dtype=storage_dtype, compute_dtype=engine.lm.dtype, lru_bytes=lru_bytes,
+                     manifest=manifest, codec=kv_codec, levels=levels)  # fmt: skip
         store = cls(directory, engine, manifest, kv, VectorIndex(embedder.dim, index_kind), embedder, mode)
         store._writer.acquire()
         try:
@@ -151,7 +149,9 @@ class DocumentStore:
         )
         manifest.check_compatible(expected)
         warn_if_serving_changed(directory, manifest.serving, serving_assumptions(engine, mode))
-        kv = KVStore(directory, dtype=storage, compute_dtype=engine.lm.dtype, lru_bytes=lru_bytes, manifest=manifest)
+        codec = open_codec(directory, manifest, engine.lm.fingerprint())
+        kv = KVStore(directory, dtype=storage, compute_dtype=engine.lm.dtype, lru_bytes=lru_bytes, manifest=manifest,
+                     codec=codec, levels=manifest.codec_levels)  # fmt: skip
         return cls(directory, engine, manifest, kv, index, embedder, mode)
 
     def __len__(self) -> int:

@@ -71,7 +71,12 @@ def check_store_directory(directory: Path, *, for_new_store: bool = True) -> boo
         raise StoreError(msg)
     if (directory / MANIFEST_NAME).is_file():
         return True
-    if for_new_store and directory.is_dir() and any(p.name != LOCK_NAME for p in directory.iterdir()):
+    foreign = (
+        [p for p in directory.iterdir() if p.name != LOCK_NAME and not _TABLES.fullmatch(p.name)]
+        if (for_new_store and directory.is_dir())
+        else []
+    )  # the lock, and codec tables a creation installs before its first commit, may precede a store
+    if foreign:
         msg = f"{directory} is not empty: a non-empty directory that holds no store cannot take one; give an empty one"
         raise StoreError(msg)
     return False

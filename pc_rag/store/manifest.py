@@ -103,6 +103,7 @@ class Manifest:
     serving: dict[str, str] = field(default_factory=dict)  # what answers assume beyond the KV, e.g. "adapter"
     index: IndexRecord | None = None
     codec_tables: IndexRecord | None = None  # the CacheGen table file compressed shards decode with
+    codec_levels: tuple[int, ...] = ()  # the levels new chunks are written at (none: raw KV)
     generation: int = 0
     next_id: int = 0  # chunk ids below it were handed out once and are never reused
     format_version: int = FORMAT_VERSION
@@ -134,6 +135,7 @@ class Manifest:
             "serving": dict(sorted(self.serving.items())),
             "index": asdict(self.index) if self.index else None,
             "codec_tables": asdict(self.codec_tables) if self.codec_tables else None,
+            "codec_levels": list(self.codec_levels),
             "generation": self.generation,
             "next_id": self.next_id,
         }
@@ -178,6 +180,7 @@ class Manifest:
                 serving={str(k): str(v) for k, v in data.get("serving", {}).items()},
                 index=IndexRecord(check_index_name(index["name"]), str(index["sha256"])) if index else None,
                 codec_tables=IndexRecord(check_tables_name(tables["name"]), str(tables["sha256"])) if tables else None,
+                codec_levels=tuple(int(n) for n in data.get("codec_levels", ())),
                 generation=int(data.get("generation", 0)),
                 next_id=int(data.get("next_id", 0)),
                 format_version=version,

@@ -1,0 +1,69 @@
+"""A document store whose KV is CacheGen-compressed: built with the model's tables, self-contained, answering."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import tiny_model
+from test_document_store import DOCS, embedder
+
+from pc_rag.codec import fit_tables
+from pc_rag.errors import StoreCorruptedError, StoreError
+from pc_rag.rag import RagEngine, RagPrompt
+from pc_rag.rag.tuned import codec_tables_file
+from pc_rag.store.document_store import DocumentStore
+from pc_rag.store.files import unlisted
+
+
+@pytest.fixture(scope="module")
+def engine(tokenizer) -> RagEngine:
+    return RagEngine(tiny_model("llama", tokenizer), RagPrompt())
+
+
+@pytest.fixture
+def tables_in_cache(tmp_path, monkeypatch, engine: RagEngine):
+    """The tiny model's tables, fitted on its own chunks, where stores look for them."""
+    monkeypatch.setenv("PC_RAG_CACHE", str(tmp_path / "cache"))
+    chunks = engine.encode([text for text, _ in DOCS] * 3, "naive")
+    tables = fit_tables([(c.kv.keys, c.kv.values) for c in chunks], engine.lm.fingerprint())
+    (tmp_path / "cache" / "tuned").mkdir(parents=True)
+    tables.save(tmp_path / "cache" / "tuned" / codec_tables_file(engine.lm.fingerprint()))
+    return tables
+
+
+def build(path, engine: RagEngine, codec: str | None) -> DocumentStore:
+    store = DocumentStore.create(path, engine, embedder=embedder(), chunk_tokens=24, overlap_tokens=4, codec=codec)
+    store.add_documents(DOCS, ids=["eiffel", "fuji", "danube"], progress=False)
+    return store
+
+
+def test_a_compressed_store_answers_like_the_raw_one_from_less_disk(tmp_path, engine, tables_in_cache) -> None:
+    with build(tmp_path / "raw", engine, None) as raw, build(tmp_path / "cg", engine, "cachegen:2,5") as cg:
+        assert cg.kv.nbytes < raw.kv.nbytes / 2
+        question = "Which mountain is the highest of Japan?"
+        assert [h.chunk_id for h in cg.search(question, k=2)] == [h.chunk_id for h in raw.search(question, k=2)]
+        want = raw.answer(question, k=2, mode="naive", max_new_tokens=6)
+        got = cg.answer(question, k=2, mode="naive", max_new_tokens=6)
+        assert got.text and got.sources == want.sources
+    again = DocumentStore.load(tmp_path / "cg", engine, embedder=embedder())
+    assert again.manifest.codec_levels == (2, 5) and not unlisted(tmp_path / "cg", again.manifest.listed_files())
+    chunk_id = again.manifest.docs["fuji"].chunk_ids[0]
+    chunk = again.chunks([again.handle(chunk_id)])[0]
+    exact = engine.encode_token_ids([list(chunk.token_ids)], chunk.conditioned)[0].kv
+    fine, coarse = again.kv.get(chunk_id), again.kv.get(chunk_id, level=2)
+    err = [float((s.keys.float() - exact.keys.float()).abs().mean()) for s in (fine, coarse)]
+    assert err[0] < err[1], err
+
+
+def test_a_compressed_store_needs_tables_and_keeps_them_checked(tmp_path, engine, tables_in_cache) -> None:
+    with build(tmp_path / "cg", engine, "cachegen") as store:
+        tables_file = tmp_path / "cg" / store.manifest.codec_tables.name
+    data = bytearray(tables_file.read_bytes())
+    data[-5] ^= 0xFF
+    tables_file.write_bytes(bytes(data))
+    with pytest.raises(StoreCorruptedError, match="do not match their checksum"):
+        DocumentStore.load(tmp_path / "cg", engine, embedder=embedder())
+    (tmp_path / "cache" / "tuned" / codec_tables_file(engine.lm.fingerprint())).unlink()
+    with pytest.raises(StoreError, match="pc-rag tune-codec"):
+        build(tmp_path / "none", engine, "cachegen")
+    with pytest.raises(StoreError, match="--codec takes"):
+        build(tmp_path / "bad", engine, "zip:3")
