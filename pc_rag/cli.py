@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     encode = bench_kinds.add_parser("encode", help="store encoding throughput against the raw batched forward")
     encode.add_argument("--runs", type=_positive, default=3, help="timed runs per path (median is reported)")
     encode.add_argument("--json", type=Path, default=None, help="write the rows as JSON here")
-    memory = bench_kinds.add_parser("memory", help="bytes per cached token for each storage dtype")
+    memory = bench_kinds.add_parser("memory", help="bytes per cached token for each storage dtype and codec level")
     memory.add_argument("--json", type=Path, default=None, help="write the rows as JSON here")
     _add_eval_parser(commands)
     _add_tune_parser(commands)
@@ -190,9 +190,14 @@ def _run_bench(args: argparse.Namespace, lm: object) -> None:
     else:
         import torch
 
+        from pc_rag.codec import CodecTables
         from pc_rag.footprint import format_rows, kv_footprint
+        from pc_rag.rag.tuned import find_codec_tables
 
-        rows = kv_footprint(RagEngine(lm, RagPrompt.longbench()), [torch.float32, torch.bfloat16, torch.float16])
+        tables = find_codec_tables(lm.fingerprint())  # every level the model's CacheGen tables have
+        levels = sorted(CodecTables.load(tables).levels) if tables else []
+        engine = RagEngine(lm, RagPrompt.longbench())
+        rows = kv_footprint(engine, [torch.float32, torch.bfloat16, torch.float16], levels=levels)
         print(format_rows(rows))
     if args.json:
         write_json(rows, args.json)

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import pytest
+import torch
 from conftest import tiny_model
 from test_document_store import DOCS, embedder
 
 from pc_rag.codec import fit_tables
 from pc_rag.errors import StoreCorruptedError, StoreError
+from pc_rag.footprint import kv_footprint
 from pc_rag.rag import RagEngine, RagPrompt
 from pc_rag.rag.tuned import codec_tables_file
 from pc_rag.store.document_store import DocumentStore
@@ -67,3 +69,11 @@ def test_a_compressed_store_needs_tables_and_keeps_them_checked(tmp_path, engine
         build(tmp_path / "none", engine, "cachegen")
     with pytest.raises(StoreError, match="--codec takes"):
         build(tmp_path / "bad", engine, "zip:3")
+
+
+def test_bench_memory_measures_every_level_on_disk(engine, tables_in_cache) -> None:
+    raw, *levels = kv_footprint(engine, [torch.bfloat16], documents=3, levels=[1, 3, 5])
+    assert [r.codec for r in levels] == ["cachegen:1", "cachegen:3", "cachegen:5"]
+    sizes = [r.disk_bytes_per_token for r in levels]
+    assert sizes == sorted(sizes) and sizes[-1] < raw.disk_bytes_per_token
+    assert all(r.tokens == raw.tokens for r in levels)
