@@ -3,7 +3,8 @@
     python examples/results_table.py examples/results/levers30.json [more.json ...] [--dataset all] [--columns ...]
 
 Given `pc-rag bench peers --json` files instead, prints TTFT, speedup and decode speed per peer (given
-`pc-rag bench encode --json` files, encoding throughput per path and dtype); given
+`pc-rag bench encode --json` files, encoding throughput per path and dtype; given `pc-rag bench memory
+--json` files, bytes per token per codec and dtype); given
 `examples/oracle_sweep.py --json` files, first-token and 8-token KL per selection and recompute budget.
 Otherwise prints a Markdown table with one row per (dataset, mode) of the chosen datasets: F1 and its change
 against full prefill with the paired bootstrap interval, answer identity, first-token agreement and KL,
@@ -110,6 +111,18 @@ def encode_table(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
+def memory_table(rows: list[Row]) -> str:
+    """Markdown: one row per storage (codec and dtype), bytes per token in memory and on disk, and the share of
+    bfloat16 on disk."""
+    bf16 = next((r["disk_bytes_per_token"] for r in rows if r["dtype"] == "bfloat16" and r["codec"] == "raw"), None)
+    lines = ["| codec | dtype | memory B/token | disk B/token | vs bfloat16 on disk |", "|---|---|---|---|---|"]
+    for r in rows:
+        share = f"{r['disk_bytes_per_token'] / bf16:.2f}x" if bf16 else "-"
+        cells = [r["codec"], r["dtype"], f"{r['memory_bytes_per_token']:,}", f"{r['disk_bytes_per_token']:,.0f}", share]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 SELECTIONS = {
     "query": "the question's attention over the spliced cache, first 2 layers (`query:<share>`, no window)",
     "attention": "oracle: the question's attention in full prefill, all layers",
@@ -143,6 +156,9 @@ def main() -> None:
     loaded = [json.loads(path.read_text(encoding="utf-8")) for path in args.json]
     if all(isinstance(d, list) and d and "path" in d[0] for d in loaded):  # bench encode rows
         print(encode_table([row for d in loaded for row in d]))
+        return
+    if all(isinstance(d, list) and d and "disk_bytes_per_token" in d[0] for d in loaded):  # bench memory rows
+        print(memory_table([row for d in loaded for row in d]))
         return
     if all(isinstance(d, list) for d in loaded):  # bench peers rows
         print(peers_table([row for d in loaded for row in d]))
