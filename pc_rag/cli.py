@@ -269,6 +269,9 @@ def _add_eval_parser(commands: argparse._SubParsersAction) -> None:
                     "quality guard, e.g. `--dtype int4 eval --reference-dtype float32 "
                     "--modes full,selective:1.0,default`")  # fmt: skip
     ev.add_argument("--state", type=Path, default=None, help="resume file (default: the --json path + .partial.jsonl)")
+    ev.add_argument("--codec", default=None, metavar="cachegen[:LEVEL]",
+                    help="also run each mode over its chunks compressed at this CacheGen level (<mode>@cachegen:N "
+                    "rows, with codec_kl and codec_agreement against the uncompressed mode)")  # fmt: skip
 
 
 def _run_eval(args: argparse.Namespace) -> int:
@@ -291,6 +294,11 @@ def _run_eval(args: argparse.Namespace) -> int:
     from pc_rag.rag.modes import is_mode
 
     modes = parse_modes(args.modes, MODES, accepts=is_mode)
+    codec_levels = _codec_levels(args.codec)
+    if codec_levels:
+        from pc_rag.eval.codec_modes import with_codec
+
+        modes = with_codec(modes, codec_levels[0])
     settings = list(dict.fromkeys(x.strip() for x in args.setting.split(",") if x.strip()))
     if not settings or set(settings) - {"closed", "open"}:
         msg = f"--setting takes closed, open or closed,open; got {args.setting!r}"
@@ -322,10 +330,12 @@ def _run_eval(args: argparse.Namespace) -> int:
         else:  # one pool of stores, laid out in each order
             pooled = OpenContexts(engine, examples, args.k, stores)
             sources += [pooled.in_order(order) for order in orders]
+    codec = _codec_for(lm) if codec_levels else None
     for contexts in sources:
         records += run_eval(
-            engine, examples, modes, contexts, state_path=state, max_new_tokens=args.max_new_tokens, reference=reference
-        )
+            engine, examples, modes, contexts, state_path=state, max_new_tokens=args.max_new_tokens,
+            reference=reference, codec=codec,
+        )  # fmt: skip
     rows = aggregate(records, modes)
     print(format_table(rows))
     if args.json:
@@ -341,6 +351,7 @@ def _run_eval(args: argparse.Namespace) -> int:
             "settings": settings,
             "k": args.k if "open" in settings else None,
             "orders": orders,
+            "codec": args.codec,
         }
         write_json(rows, args.json, config)
     if args.plot:
@@ -426,6 +437,33 @@ def _run_tune(args: argparse.Namespace, lm: object) -> int:
         c = summary["calibration"]
         print(f"APE calibration -> {c['path']}: temperature {c['temperature']}, scale {c['scale']}")
     return 0
+
+
+def _codec_levels(spec: str | None) -> tuple[int, ...]:
+    """The one CacheGen level of ``eval --codec``; ``EvalError`` for other specs."""
+    from pc_rag.errors import EvalError, StoreError
+    from pc_rag.store.codec_setup import parse_codec
+
+    try:
+        levels = parse_codec(spec)
+    except StoreError as e:
+        raise EvalError(str(e)) from e
+    if len(levels) > 1:
+        msg = f"eval --codec takes one level (cachegen:N), got {spec!r}"
+        raise EvalError(msg)
+    return levels
+
+
+def _codec_for(lm: object) -> object:
+    from pc_rag.codec import CacheGenCodec, CodecTables
+    from pc_rag.errors import EvalError
+    from pc_rag.rag.tuned import find_codec_tables
+
+    path = find_codec_tables(lm.fingerprint())
+    if path is None:
+        msg = f"no CacheGen tables for model {lm.fingerprint()}: make them with `pc-rag tune-codec`"
+        raise EvalError(msg)
+    return CacheGenCodec(CodecTables.load(path))
 
 
 def _run_tune_codec(args: argparse.Namespace, lm: object) -> int:

@@ -49,6 +49,9 @@ class QuestionRecord:
     # mean over teacher-forced steps (module docstring); None in records of runs made before they existed
     teacher_forced_kl: float | None = None  # KL(full || mode) in nats
     teacher_forced_agreement: float | None = None  # share of steps whose argmax is full's token
+    # modes over compressed chunks only: against the same mode on uncompressed chunks
+    codec_kl: float | None = None  # KL(uncompressed || compressed) of the first-token distributions, in nats
+    codec_agreement: bool | None = None  # the first token is the uncompressed mode's
 
 
 @dataclass
@@ -73,6 +76,10 @@ class ResultRow:
     f1_delta_ci95: list[float] | None = None  # paired bootstrap 95% interval of f1_delta
     teacher_forced_kl: float | None = None  # mean over the records that have it (None if none does)
     teacher_forced_agreement: float | None = None
+    codec_kl: float | None = None  # compressed-chunk modes: mean first-token KL(uncompressed || compressed)
+    codec_agreement: float | None = None
+    codec_f1_delta: float | None = None  # F1 minus the same mode's on uncompressed chunks, same questions
+    codec_f1_delta_ci95: list[float] | None = None
 
 
 def first_token_kl(full_logits: torch.Tensor, mode_logits: torch.Tensor) -> float:
@@ -120,8 +127,10 @@ def make_record(
     result: GenerationResult,
     full: GenerationResult,
     retrieval_recall: float | None = None,
+    plain_first_logits: torch.Tensor | None = None,
 ) -> QuestionRecord:
-    """Score ``result`` against the gold ``answers`` and compare it with the ``full`` prefill's result."""
+    """Score ``result`` against the gold ``answers`` and compare it with the ``full`` prefill's result (and with
+    ``plain_first_logits``, the same mode's on uncompressed chunks, when given)."""
     first = result.token_ids[0] if result.token_ids else None
     full_first = full.token_ids[0] if full.token_ids else None
     forced = teacher_forced(full, result)
@@ -143,7 +152,15 @@ def make_record(
         retrieval_recall=retrieval_recall,
         teacher_forced_kl=forced[0] if forced else None,
         teacher_forced_agreement=forced[1] if forced else None,
+        codec_kl=None if plain_first_logits is None else first_token_kl(plain_first_logits, result.first_logits),
+        codec_agreement=None
+        if plain_first_logits is None
+        else _argmax(plain_first_logits) == _argmax(result.first_logits),
     )
+
+
+def _argmax(logits: torch.Tensor) -> int:
+    return int(logits.argmax())
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -163,6 +180,7 @@ def aggregate(records: Iterable[QuestionRecord], modes: Sequence[str] | None = N
     """
     records = list(records)
     full_f1 = {(r.setting, r.dataset, r.id): r.f1 for r in records if r.mode == FULL}
+    mode_f1 = {(r.setting, r.dataset, r.id, r.mode): r.f1 for r in records}
     if modes is None:
         modes = list(dict.fromkeys(r.mode for r in records))
     rows = []
@@ -173,12 +191,17 @@ def aggregate(records: Iterable[QuestionRecord], modes: Sequence[str] | None = N
             for mode in modes:
                 group = [r for r in in_setting if r.mode == mode and dataset in (ALL, r.dataset)]
                 if group:
-                    rows.append(_row(dataset, mode, group, full_f1))
+                    rows.append(_row(dataset, mode, group, full_f1, mode_f1))
     return rows
 
 
-def _row(dataset: str, mode: str, group: list[QuestionRecord], full_f1: dict[tuple[str, str, str], float]) -> ResultRow:
+def _row(
+    dataset: str, mode: str, group: list[QuestionRecord], full_f1: dict[tuple[str, str, str], float],
+    mode_f1: dict[tuple[str, str, str, str], float],
+) -> ResultRow:  # fmt: skip
     deltas = _f1_deltas(mode, group, full_f1)
+    codec_kl = [r.codec_kl for r in group if r.codec_kl is not None]
+    codec_deltas = _codec_f1_deltas(group, mode_f1)
     non_the = [r.first_token_agreement for r in group if not r.full_starts_with_the]
     recalls = [r.retrieval_recall for r in group if r.retrieval_recall is not None]
     forced_kl = [r.teacher_forced_kl for r in group if r.teacher_forced_kl is not None]
@@ -205,7 +228,22 @@ def _row(dataset: str, mode: str, group: list[QuestionRecord], full_f1: dict[tup
         f1_delta_ci95=paired_bootstrap_ci(deltas) if deltas else None,
         teacher_forced_kl=_mean(forced_kl) if forced_kl else None,
         teacher_forced_agreement=_mean(forced_agreement) if forced_agreement else None,
+        codec_kl=_mean(codec_kl) if codec_kl else None,
+        codec_agreement=_mean(r.codec_agreement for r in group if r.codec_agreement is not None) if codec_kl else None,
+        codec_f1_delta=_mean(codec_deltas) if codec_deltas else None,
+        codec_f1_delta_ci95=paired_bootstrap_ci(codec_deltas) if codec_deltas else None,
     )
+
+
+def _codec_f1_deltas(group: list[QuestionRecord], mode_f1: dict[tuple[str, str, str, str], float]) -> list[float]:
+    """Per-question F1 change (x100) of a compressed-chunk mode against the same mode uncompressed, where both ran."""
+    out = []
+    for r in group:
+        base, sep, _ = r.mode.partition("@cachegen:")
+        plain = mode_f1.get((r.setting, r.dataset, r.id, base)) if sep else None
+        if plain is not None:
+            out.append(100 * (r.f1 - plain))
+    return out
 
 
 def _f1_deltas(

@@ -52,13 +52,20 @@ def format_table(rows: Sequence[ResultRow]) -> str:
     ``dF1`` is F1 minus full prefill's on the same questions, with its paired bootstrap 95% interval;
     ``tok1`` is first-token agreement with full prefill, ``tok1~The`` the same without questions whose
     full answer starts with "The"; ``tfKL`` and ``tfAgr`` are KL(full || mode) and next-token agreement
-    teacher-forced with full's first answer tokens, averaged over those steps (``-`` for old records).
+    teacher-forced with full's first answer tokens, averaged over those steps (``-`` for old records);
+    ``codecKL``, ``cAgr`` and ``cdF1`` compare a ``<mode>@cachegen:<level>`` row with ``<mode>``.
     """
     columns = list(_COLUMNS)
     if len({r.setting for r in rows}) > 1:
         columns.insert(0, ("setting", 7, lambda r: r.setting))
     if any(r.retrieval_recall is not None for r in rows):
         columns.append(("recall", 6, lambda r: "-" if r.retrieval_recall is None else f"{r.retrieval_recall:.3f}"))
+    if any(r.codec_kl is not None for r in rows):  # against the same mode on uncompressed chunks
+        columns += [
+            ("codecKL", 8, lambda r: "-" if r.codec_kl is None else f"{r.codec_kl:.4f}"),
+            ("cAgr", 6, lambda r: "-" if r.codec_agreement is None else f"{r.codec_agreement:.3f}"),
+            ("cdF1", 6, lambda r: "-" if r.codec_f1_delta is None else f"{r.codec_f1_delta:+.2f}"),
+        ]
     lines = [" ".join(f"{h:>{w}}" for h, w, _ in columns)]
     lines += [" ".join(f"{cell(r):>{w}}" for _, w, cell in columns) for r in rows]
     return "\n".join(lines)

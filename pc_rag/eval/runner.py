@@ -21,6 +21,7 @@ from typing import Any, Protocol
 from tqdm import tqdm
 
 from pc_rag.errors import EvalError
+from pc_rag.eval.codec_modes import compressed, split_codec_mode
 from pc_rag.eval.contexts import ClosedContexts, ContextSource
 from pc_rag.eval.datasets import Example
 from pc_rag.eval.metrics import FULL, TEACHER_FORCED_STEPS, QuestionRecord, make_record, teacher_forced_steps
@@ -83,8 +84,12 @@ def run_eval(
     max_new_tokens: int = 32,
     progress: bool = True,
     reference: EvalEngine | None = None,
+    codec: Any | None = None,
 ) -> list[QuestionRecord]:
     """Answer every example in ``full`` (always, first) and each of ``modes``; one record per (example, mode).
+
+    Modes ``<mode>@cachegen:<level>`` answer from chunks round-tripped through ``codec`` (a
+    ``CacheGenCodec``) and are compared with ``<mode>`` on the uncompressed chunks.
 
     ``reference`` answers ``full`` instead of ``engine`` (the same model in another dtype: every mode, and the
     engine's own full prefill as ``selective:1.0``, is then measured against it).
@@ -96,6 +101,8 @@ def run_eval(
     contexts = contexts if contexts is not None else ClosedContexts(engine)
     setting = contexts.setting
     run_modes = [FULL, *(m for m in dict.fromkeys(modes) if m != FULL)]
+    if codec is None and any(split_codec_mode(m)[1] is not None for m in run_modes):
+        raise EvalError("modes over compressed chunks (<mode>@cachegen:<level>) need a codec")
     done = load_state(state_path) if state_path is not None else {}
     keys = [[(setting, ex.dataset, ex.id, mode) for mode in run_modes] for ex in examples]
     already = sum(k in done for row in keys for k in row)
@@ -107,7 +114,8 @@ def run_eval(
         for example, example_keys in zip(examples, keys, strict=True):
             todo = [k for k in example_keys if k not in done]
             if todo:
-                for record in _run_example(engine, contexts, example, todo, max_new_tokens, reference or engine):
+                run = _run_example(engine, contexts, example, todo, max_new_tokens, reference or engine, codec)
+                for record in run:
                     done[(setting, record.dataset, record.id, record.mode)] = record
                     save(record)
                     bar.update()
@@ -121,6 +129,7 @@ def _run_example(
     todo: list[Key],
     max_new_tokens: int,
     reference: EvalEngine,
+    codec: Any | None,
 ) -> Iterator[QuestionRecord]:
     """Yield the records of the ``todo`` keys of one example; full prefill runs (again) whenever a mode needs it."""
 
@@ -129,8 +138,9 @@ def _run_example(
 
     recall = contexts.recall(example)
 
-    def record(mode: str, chunk_list: list[Any], result: GenerationResult) -> QuestionRecord:
+    def record(mode: str, chunk_list: list[Any], result: GenerationResult, plain: Any = None) -> QuestionRecord:
         return make_record(
+            plain_first_logits=plain,
             setting=todo[0][0],
             dataset=example.dataset,
             example_id=example.id,
@@ -145,19 +155,28 @@ def _run_example(
     # Full's first steps' logits stay in memory while this example's modes run; after a resume the
     # full prefill is simply recomputed (greedy, deterministic) rather than stored in the state file.
     # Full prefill only reads the chunks' token ids, which no mode changes: reuse the first mode's encoding.
-    full_chunks = chunks(next((m for *_, m in todo if m != FULL), FULL_CHUNKS_MODE))
+    full_chunks = chunks(next((split_codec_mode(m)[0] for *_, m in todo if m != FULL), FULL_CHUNKS_MODE))
     full = reference.answer_full(
         full_chunks, example.question, max_new_tokens=max_new_tokens, keep_logits=TEACHER_FORCED_STEPS
     )
     reference = full.token_ids[: teacher_forced_steps(full) - 1]  # the last forced step needs no token fed
+    plain_first = {}  # uncompressed mode -> its first-step logits, for the compressed twin
     for *_, mode in todo:
         if mode == FULL:
             yield record(FULL, full_chunks, full)
-        else:
-            result = engine.answer(
-                chunks(mode), example.question, mode, reference_ids=reference, max_new_tokens=max_new_tokens
-            )
-            yield record(mode, chunks(mode), result)
+            continue
+        base, level = split_codec_mode(mode)
+        mode_chunks = chunks(base) if level is None else compressed(chunks(base), codec, level)
+        result = engine.answer(
+            mode_chunks, example.question, base, reference_ids=reference, max_new_tokens=max_new_tokens
+        )
+        if level is None:
+            plain_first[base] = result.first_logits
+            yield record(mode, mode_chunks, result)
+            continue
+        if base not in plain_first:  # its own record was done before a resume
+            plain_first[base] = engine.answer(chunks(base), example.question, base, max_new_tokens=1).first_logits
+        yield record(mode, mode_chunks, result, plain_first[base])
 
 
 def load_state(path: str | Path) -> dict[Key, QuestionRecord]:
