@@ -173,6 +173,20 @@ class KVStore:
                 self._lru.put(key, span)
         return span
 
+    def compressed_levels(self, chunk_id: int) -> tuple[int, ...]:
+        """The CacheGen levels ``chunk_id`` is stored at (empty for raw KV); ``KeyError`` if absent."""
+        return self._record_of(chunk_id)[1].levels
+
+    def compressed_size(self, chunk_id: int, level: int) -> int:
+        """Bytes of ``chunk_id`` at ``level``, from the shard's header (nothing is read)."""
+        name, record = self._record_of(chunk_id)
+        return int(self._open(name).get_slice(f"{chunk_id}.l{self._level_of(record, chunk_id, level)}").get_shape()[0])
+
+    def compressed_bytes(self, chunk_id: int, level: int) -> bytes:
+        """The CacheGen bytes of ``chunk_id`` at ``level``, undecoded (checked when decoded)."""
+        name, record = self._record_of(chunk_id)
+        return self._open(name).get_tensor(f"{chunk_id}.l{self._level_of(record, chunk_id, level)}").numpy().tobytes()
+
     def get_many(self, chunk_ids: Iterable[int]) -> list[SpanKV]:
         """``get`` for each id, in order."""
         return [self.get(cid) for cid in chunk_ids]
@@ -314,6 +328,14 @@ class KVStore:
         if actual != record.sha256:
             return f"shard {name} does not match its checksum (sha256 {actual[:12]}…); rebuild the store"
         return None
+
+    def _record_of(self, chunk_id: int) -> tuple[str, ShardRecord]:
+        with self._lock:
+            name = self._where.get(chunk_id)
+            if name is None:
+                msg = f"chunk {chunk_id} is not in the KV store at {self.directory}"
+                raise KeyError(msg)
+            return name, self.manifest.shards[name]
 
     def _forget(self, chunk_ids: Iterable[int]) -> None:
         """Drop the LRU's decoded spans of ``chunk_ids``, at every level."""
