@@ -56,9 +56,10 @@ def main(argv: list[str] | None = None) -> int:
     ask.add_argument("--mode", default=None, help="recovery mode (default: the store's)")
     ask.add_argument("--full", action="store_true", help="also answer by full prefill and print its TTFT")
     ask.add_argument("--max-new-tokens", type=_positive, default=64, help="answer length limit (default 64)")
-    store = commands.add_parser("store", help="verify (read-only), repair or compact a document store")
-    store.add_argument("action", choices=["verify", "repair", "compact"])
+    store = commands.add_parser("store", help="verify (read-only), repair, compact or re-encode a document store")
+    store.add_argument("action", choices=["verify", "repair", "compact", "recode"])
     store.add_argument("--store", type=Path, required=True, help="store directory")
+    store.add_argument("--codec", default=None, metavar="raw|cachegen[:LEVEL,...]", help="recode: the new KV encoding")
     bench = commands.add_parser("bench", help="benchmarks")
     bench_kinds = bench.add_subparsers(dest="kind", required=True)
     ttft = bench_kinds.add_parser("ttft", help="TTFT of cached vs full prefill by context length")
@@ -112,6 +113,12 @@ def _run(args: argparse.Namespace) -> int:
         parse_codec(args.codec)
         docs = read_documents(args.paths)[: args.limit]
     elif args.command in ("ask", "store"):
+        if args.command == "store" and (args.action == "recode") != (args.codec is not None):
+            raise PCRagError("--codec goes with `store recode`, and `store recode` needs it")
+        if args.command == "store" and args.codec is not None:
+            from pc_rag.store.codec_setup import parse_codec
+
+            parse_codec(args.codec)
         commands.check_store_target(args.store, must_exist=True)
         if args.command == "ask" and not args.question.strip():
             msg = "the question is empty"
@@ -133,7 +140,7 @@ def _run(args: argparse.Namespace) -> int:
         commands.ask(lm, args.store, args.question, k=args.k, mode=args.mode, compare_full=args.full,
                      max_new_tokens=args.max_new_tokens)  # fmt: skip
     elif args.command == "store":
-        commands.store_maintenance(lm, args.action, args.store)
+        commands.store_maintenance(lm, args.action, args.store, args.codec)
     elif args.command == "bench":
         _run_bench(args, lm)
     return 0

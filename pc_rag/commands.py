@@ -16,7 +16,7 @@ from pc_rag.model import LoadedModel
 from pc_rag.rag import RagEngine, RagPrompt
 from pc_rag.store.codec_setup import parse_codec
 from pc_rag.store.document_store import DocumentStore
-from pc_rag.store.files import check_store_directory
+from pc_rag.store.files import bytes_on_disk, check_store_directory
 from pc_rag.store.ingest import SourceDocument
 from pc_rag.store.kvstore import STORAGE_DTYPES
 from pc_rag.store.manifest import MANIFEST_NAME, Manifest
@@ -103,13 +103,18 @@ def _note_ignored_options(store: DocumentStore, options: dict[str, object]) -> N
                   "(these options only apply when a store is created)", file=sys.stderr)  # fmt: skip
 
 
-def store_maintenance(lm: LoadedModel, action: str, store_dir: Path) -> None:
-    """``verify`` (read-only: every checksum and cross-reference), ``repair`` or ``compact`` the store."""
+def store_maintenance(lm: LoadedModel, action: str, store_dir: Path, codec: str | None = None) -> None:
+    """``verify`` (read-only: every checksum and cross-reference), ``repair``, ``compact`` or ``recode`` (as
+    ``codec``) the store."""
     with DocumentStore.load(store_dir, engine_for(lm)) as store:
         if action == "verify":
             print(store.verify())
         elif action == "repair":
             print(f"repaired {store_dir}: {store.repair()}")
+        elif action == "recode":
+            before = bytes_on_disk(store_dir)
+            after = store.recode(codec or "raw")
+            print(f"re-encoded {store_dir} as {codec}: {before / 2**20:.1f} -> {after / 2**20:.1f} MiB on disk")
         else:
             print(f"compacted {store_dir}: freed {store.compact() / 2**20:.1f} MiB")
 

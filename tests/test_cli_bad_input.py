@@ -51,6 +51,10 @@ CASES = [
     (["store", "repair", "--store", "{tmp}/s"], "not a pc-rag store"),
     (["store", "fix", "--store", "{tmp}/s"], "invalid choice: 'fix'"),
     (["index", "--store", "{tmp}/s"], "the following arguments are required: paths"),
+    (["index", "{tmp}/ok.txt", "--store", "{tmp}/s", "--codec", "zip"], "--codec takes raw, cachegen"),
+    (["store", "recode", "--store", "{tmp}/s"], "`store recode` needs it"),
+    (["store", "compact", "--store", "{tmp}/s", "--codec", "cachegen"], "--codec goes with `store recode`"),
+    (["store", "recode", "--store", "{tmp}/s", "--codec", "cachegen:x"], "--codec takes raw, cachegen"),
 ]
 
 

@@ -7,7 +7,7 @@ import torch
 from conftest import tiny_model
 from test_document_store import DOCS, embedder
 
-from pc_rag.codec import fit_tables
+from pc_rag.codec import CacheGenCodec, fit_tables
 from pc_rag.errors import StoreCorruptedError, StoreError
 from pc_rag.footprint import kv_footprint
 from pc_rag.rag import RagEngine, RagPrompt
@@ -77,3 +77,31 @@ def test_bench_memory_measures_every_level_on_disk(engine, tables_in_cache) -> N
     sizes = [r.disk_bytes_per_token for r in levels]
     assert sizes == sorted(sizes) and sizes[-1] < raw.disk_bytes_per_token
     assert all(r.tokens == raw.tokens for r in levels)
+
+
+def test_a_raw_store_is_re_encoded_in_place_at_once(tmp_path, engine, tables_in_cache, monkeypatch) -> None:
+    with build(tmp_path / "s", engine, None) as store:
+        before = {c: store.kv.get(c).keys.clone() for c in store.kv.ids()}
+        raw_bytes = store.kv.nbytes
+        calls = {"n": 0}
+        real_encode = CacheGenCodec.encode
+
+        def failing(self, span, level):  # the third chunk fails: nothing may change
+            calls["n"] += 1
+            if calls["n"] == 3:
+                raise RuntimeError("disk full")
+            return real_encode(self, span, level)
+
+        monkeypatch.setattr(CacheGenCodec, "encode", failing)
+        with pytest.raises(RuntimeError, match="disk full"):
+            store.recode("cachegen:2,5", progress=False)
+        assert store.manifest.codec_levels == () and store.kv.nbytes == raw_bytes
+        monkeypatch.setattr(CacheGenCodec, "encode", real_encode)
+        store.recode("cachegen:2,5", progress=False)
+        assert store.manifest.codec_levels == (2, 5) and store.kv.nbytes < raw_bytes / 2
+        with pytest.raises(StoreError, match="already compressed"):
+            store.recode("cachegen:3", progress=False)
+    again = DocumentStore.load(tmp_path / "s", engine, embedder=embedder())
+    assert not unlisted(tmp_path / "s", again.manifest.listed_files())
+    assert set(again.kv.ids()) == set(before) and all(again.kv.compressed_levels(c) == (2, 5) for c in before)
+    assert again.search("Which mountain is the highest of Japan?", k=1)[0].doc_id == "fuji"

@@ -15,6 +15,7 @@ import bisect
 import logging
 import re
 from dataclasses import dataclass
+from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
@@ -181,3 +182,18 @@ def _pick_overlap_start(levels: list[int], start: int, end: int, overlap: int) -
             if levels[b] >= level:
                 return b
     return end
+
+
+def commit_parts(pieces: list[Any], chunks_per_part: int) -> list[list[Any]]:
+    """``pieces`` (documents with their ``spans`` last) in runs of about ``chunks_per_part`` chunks (0: one run)."""
+    if chunks_per_part <= 0:
+        return [pieces] if pieces else []
+    parts: list[list[Any]] = [[]]
+    count = 0
+    for piece in pieces:
+        if count >= chunks_per_part:
+            parts.append([])
+            count = 0
+        parts[-1].append(piece)
+        count += len(piece[-1])
+    return parts if parts[0] else []

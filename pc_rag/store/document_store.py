@@ -27,12 +27,12 @@ from pc_rag.rag.markers import module_ref, split_module_prompt
 from pc_rag.rag.modes import resolve_mode
 from pc_rag.rag.order import BEST_FIRST, DEFAULT_ORDER, reorder
 from pc_rag.store._atomic import sha256_file
-from pc_rag.store.chunking import split_text
+from pc_rag.store.chunking import commit_parts, split_text
 from pc_rag.store.codec_setup import install_codec, open_codec, parse_codec
 from pc_rag.store.committed import manifest_stamp, read_commit
 from pc_rag.store.consistency import RepairReport, check_contents, repair_contents
 from pc_rag.store.embeddings import Embedder, SentenceTransformerEmbedder, as_embedder
-from pc_rag.store.files import check_store_directory, index_name, remove_unlisted
+from pc_rag.store.files import bytes_on_disk, check_store_directory, index_name, remove_unlisted
 from pc_rag.store.handles import Answer, ModuleHandle
 from pc_rag.store.identity import serving_assumptions, storage_dtype, store_identity, warn_if_serving_changed
 from pc_rag.store.index import VectorIndex
@@ -233,10 +233,26 @@ class DocumentStore:
         """
         with self._write_mutex:
             self._begin_write()
-            before = _bytes_on_disk(self.directory)
+            before = bytes_on_disk(self.directory)
             self.kv.compact()
             self.commit()
-            return before - _bytes_on_disk(self.directory)
+            return before - bytes_on_disk(self.directory)
+
+    def recode(self, codec: str, *, progress: bool = True) -> int:
+        """Re-encode every chunk's raw KV as ``codec`` (``raw``, ``cachegen[:LEVEL,...]``) in new shards, committed at
+        once (a crash leaves the store as it was); return the bytes on disk after."""
+        with self._write_mutex:
+            self._begin_write()
+            levels, before = parse_codec(codec), (self.manifest.codec_tables, self.manifest.codec_levels)
+            self.manifest.codec_tables, self.manifest.codec_levels, fingerprint = None, (), self.engine.lm.fingerprint()
+            try:
+                self.kv.recode(install_codec(self.directory, self.manifest, fingerprint, levels) if levels else None,
+                               levels, progress=progress)  # fmt: skip
+            except BaseException:
+                self.manifest.codec_tables, self.manifest.codec_levels = before
+                raise
+            self.commit()
+            return bytes_on_disk(self.directory)
 
     def _begin_write(self) -> None:
         """Before the first write: take the writer lock and catch up with commits made since this store loaded."""
@@ -294,7 +310,7 @@ class DocumentStore:
             pieces = [p for p in pieces if not self.is_current(p[0], p[1], p[2])]
             total = sum(len(p[3]) for p in pieces)
             bar = tqdm(total=total, desc="encoding chunks", unit="chunk", disable=not progress or not total)
-            for part in _parts(pieces, commit_every):
+            for part in commit_parts(pieces, commit_every):
                 self._add_part(part, bar)
             bar.close()
         return ids
@@ -475,25 +491,6 @@ def _refuse_existing(directory: Path) -> None:
     if check_store_directory(directory):
         msg = f"{directory} already holds a store; use DocumentStore.load"
         raise StoreError(msg)
-
-
-def _parts(pieces: list[Any], chunks_per_part: int) -> list[list[Any]]:
-    """``pieces`` (documents with their ``spans`` last) in runs of about ``chunks_per_part`` chunks (0: one run)."""
-    if chunks_per_part <= 0:
-        return [pieces] if pieces else []
-    parts: list[list[Any]] = [[]]
-    count = 0
-    for piece in pieces:
-        if count >= chunks_per_part:
-            parts.append([])
-            count = 0
-        parts[-1].append(piece)
-        count += len(piece[-1])
-    return parts if parts[0] else []
-
-
-def _bytes_on_disk(directory: Path) -> int:
-    return sum(p.stat().st_size for p in directory.rglob("*") if p.is_file())
 
 
 def _sha256(text: str) -> str:

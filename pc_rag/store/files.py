@@ -112,3 +112,8 @@ def _is_ours(name: str) -> bool:
         or name == LEGACY_INDEX_NAME
         or (name.rsplit("/", 1)[-1].startswith(".") and name.endswith(".tmp"))
     )
+
+
+def bytes_on_disk(directory: Path) -> int:
+    """Bytes of every file under ``directory``."""
+    return sum(p.stat().st_size for p in directory.rglob("*") if p.is_file())

@@ -33,6 +33,7 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
+from tqdm.auto import tqdm
 
 from pc_rag.codec import CacheGenCodec
 from pc_rag.errors import CodecError, StoreCorruptedError, StoreError
@@ -127,24 +128,49 @@ class KVStore:
         """Write ``spans`` as one new shard; ids already stored are replaced (their old entries marked dead)."""
         if not spans:
             return
-        tensors: dict[str, torch.Tensor] = {}
         spans = {_check_span(cid, span): span for cid, span in spans.items()}
-        for cid, span in spans.items():
-            if self.levels:
-                for n in self.levels:
-                    blob = self.codec.encode(span, n)
-                    tensors[f"{cid}.l{n}"] = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
-                continue
-            tensors[f"{cid}.k"] = span.keys.detach().to("cpu", self.dtype).contiguous()
-            tensors[f"{cid}.v"] = span.values.detach().to("cpu", self.dtype).contiguous()
-            tensors[f"{cid}.pos"] = span.positions.detach().to("cpu", torch.int64).contiguous()
-        codec = f"cachegen:{self.codec.tables.digest}" if self.levels else ""
+        tensors, codec = self._tensors(spans), self._codec_name()
         with self._lock:
             name, record = self._write_shard(tensors, sorted(spans), codec, self.levels)
             shards = {n: _kill(s, spans) for n, s in self.manifest.shards.items()}
             shards[name] = record
             self._commit(shards, written=[name])
             self._forget(spans)
+
+    def recode(
+        self, codec: CacheGenCodec | None, levels: Iterable[int], *, progress: bool = True, chunks_per_shard: int = 256
+    ) -> None:
+        """Rewrite every live chunk into new shards, compressed with ``codec`` at ``levels`` (raw when none), and
+        make them the whole shard table in one commit; on failure nothing changes. Only raw KV is re-encoded."""
+        with self._lock:
+            ids = self.ids()
+            done = [c for c in ids if self.manifest.shards[self._where[c]].codec]
+            if done:
+                msg = (f"{len(done)} chunks of {self.directory} are already compressed: re-encoding them would "
+                       "compound their loss; rebuild the store from its documents instead")  # fmt: skip
+                raise StoreError(msg)
+            before = (self.codec, self.levels)
+            self.codec, self.levels = codec, tuple(sorted(set(levels)))
+            seq = 1 + max((int(Path(n).name.split("-")[0]) for n in self.manifest.shards), default=0)
+            written: dict[str, ShardRecord] = {}
+            try:
+                for start in tqdm(
+                    range(0, len(ids), chunks_per_shard), desc="recode", unit="shard", disable=not progress
+                ):
+                    batch = ids[start : start + chunks_per_shard]
+                    spans = {c: SpanKV(*self._read(self._where[c], c)) for c in batch}
+                    name, record = self._write_shard(self._tensors(spans), batch, self._codec_name(), self.levels, seq)
+                    written[name] = record
+                    seq += 1
+                self._commit(written, written=list(written))
+            except BaseException:
+                self.codec, self.levels = before
+                for name in written:
+                    (self.directory / name).unlink(missing_ok=True)
+                raise
+            self._lru.clear()
+            if self._owns_manifest:
+                remove_unlisted(self.directory, self.manifest.listed_files())
 
     def get(self, chunk_id: int, level: int | None = None) -> SpanKV:
         """The span of ``chunk_id`` on ``device`` in ``compute_dtype``; ``KeyError`` if absent.
@@ -259,11 +285,29 @@ class KVStore:
             where.update(dict.fromkeys(_live(record), name))
         return where
 
+    def _tensors(self, spans: Mapping[int, SpanKV]) -> dict[str, torch.Tensor]:
+        """What a shard holds for ``spans``: CacheGen bytes per level, or keys, values and positions."""
+        tensors: dict[str, torch.Tensor] = {}
+        for cid, span in spans.items():
+            if self.levels:
+                for n in self.levels:
+                    tensors[f"{cid}.l{n}"] = torch.frombuffer(bytearray(self.codec.encode(span, n)), dtype=torch.uint8)
+                continue
+            tensors[f"{cid}.k"] = span.keys.detach().to("cpu", self.dtype).contiguous()
+            tensors[f"{cid}.v"] = span.values.detach().to("cpu", self.dtype).contiguous()
+            tensors[f"{cid}.pos"] = span.positions.detach().to("cpu", torch.int64).contiguous()
+        return tensors
+
+    def _codec_name(self) -> str:
+        return f"cachegen:{self.codec.tables.digest}" if self.levels else ""
+
     def _write_shard(
-        self, tensors: dict[str, torch.Tensor], chunk_ids: list[int], codec: str = "", levels: tuple[int, ...] = ()
-    ) -> tuple[str, ShardRecord]:
+        self, tensors: dict[str, torch.Tensor], chunk_ids: list[int], codec: str = "", levels: tuple[int, ...] = (),
+        seq: int | None = None,
+    ) -> tuple[str, ShardRecord]:  # fmt: skip
         """Write a new shard file atomically (temp, fsync, rename); return its name and record."""
-        seq = 1 + max((int(Path(n).name.split("-")[0]) for n in self.manifest.shards), default=0)
+        if seq is None:
+            seq = 1 + max((int(Path(n).name.split("-")[0]) for n in self.manifest.shards), default=0)
         name = f"{SHARD_DIR}/{seq:08d}-{secrets.token_hex(4)}.safetensors"
         path = self.directory / name
         with staged(path) as tmp:
