@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from pc_rag.errors import PCRagError
+from pc_rag.tune import cli as tune_cli
 
 COMPUTE_DTYPE_NAMES = ("float32", "bfloat16", "int8", "int4")  # pc_rag.weights.COMPUTE_DTYPES, without torch
 
@@ -76,12 +77,13 @@ def main(argv: list[str] | None = None) -> int:
     encode.add_argument("--json", type=Path, default=None, help="write the rows as JSON here")
     memory = bench_kinds.add_parser("memory", help="bytes per cached token for each storage dtype and codec level")
     memory.add_argument("--json", type=Path, default=None, help="write the rows as JSON here")
+    link = bench_kinds.add_parser("link", help="cold-store TTFT over a throttled link: bfloat16 vs CacheGen levels")
+    link.add_argument("--bandwidth", default="100M,1G", help="comma-separated link speeds in bits/s (K, M, G)")
+    link.add_argument("--questions", type=_positive, default=5, help="sample questions (median is reported)")
+    link.add_argument("--target-ms", type=_positive, default=1000, help="the adaptive loader's TTFT target")
+    link.add_argument("--json", type=Path, default=None, help="write the rows as JSON here")
     _add_eval_parser(commands)
-    _add_tune_parser(commands)
-    fit = commands.add_parser("tune-codec", help="fit the model's CacheGen tables on passages of the tuning split")
-    fit.add_argument("--dataset", type=Path, required=True, help="the HotpotQA dev JSONL the tuning split is in")
-    fit.add_argument("--passages", type=_positive, default=200, help="passages to fit on (default 200)")
-    fit.add_argument("--out", type=Path, default=None, help="table file (default: where stores look for it)")
+    tune_cli.add_parsers(commands, _positive)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(message)s")
     try:
@@ -98,6 +100,8 @@ def _run(args: argparse.Namespace) -> int:
 
     if args.command == "bench" and args.kind in ("ttft", "peers"):
         _lengths(args.tokens)  # refuse bad lengths before the model loads
+    if args.command == "bench" and args.kind == "link":
+        _bandwidths(args.bandwidth)
     from pc_rag import commands
 
     docs = None
@@ -127,9 +131,9 @@ def _run(args: argparse.Namespace) -> int:
     dtype = args.dtype or (commands.store_compute_dtype(store) if store else None) or "float32"
     lm = load_model(args.model or DEFAULT_MODEL, device=args.device, dtype=dtype)
     if args.command == "tune":
-        return _run_tune(args, lm)
+        return tune_cli.run_tune(args, lm)
     if args.command == "tune-codec":
-        return _run_tune_codec(args, lm)
+        return tune_cli.run_tune_codec(args, lm)
     if args.command == "demo":
         commands.demo(lm, args.questions)
     elif args.command == "index":
@@ -189,6 +193,13 @@ def _run_bench(args: argparse.Namespace, lm: object) -> None:
             reference = RagEngine(load_model(lm.name, device=args.device), RagPrompt.longbench())
         rows = run_peers(engine, _lengths(args.tokens), args.runs, str(gguf) if gguf else None, reference=reference)
         print(format_rows(rows))
+    elif args.kind == "link":
+        from pc_rag.link_bench import format_rows, link_benchmark
+
+        engine = RagEngine(lm, RagPrompt.longbench())
+        rows = link_benchmark(engine, _codec_for(lm), _bandwidths(args.bandwidth), questions=args.questions,
+                              ttft_target_s=args.target_ms / 1000)  # fmt: skip
+        print(format_rows(rows))
     elif args.kind == "encode":
         from pc_rag.encode_bench import encode_benchmark, format_rows
 
@@ -208,6 +219,18 @@ def _run_bench(args: argparse.Namespace, lm: object) -> None:
         print(format_rows(rows))
     if args.json:
         write_json(rows, args.json)
+
+
+def _bandwidths(spec: str) -> list[float]:
+    """Bits per second from ``100M,1G``-style text; ``PCRagError`` if malformed."""
+    scale = {"K": 1e3, "M": 1e6, "G": 1e9}
+    try:
+        out = [float(x[:-1]) * scale[x[-1].upper()] if x[-1].upper() in scale else float(x) for x in spec.split(",")]
+    except (ValueError, IndexError):
+        out = []
+    if not out or any(b <= 0 for b in out):
+        raise PCRagError(f"--bandwidth takes comma-separated positive speeds like 100M,1G; got {spec!r}")
+    return out
 
 
 def _limits(spec: str | None) -> int | list[int] | None:
@@ -370,82 +393,6 @@ if __name__ == "__main__":
     sys.exit(main())
 
 
-def _add_tune_parser(commands: argparse._SubParsersAction) -> None:
-    tune = commands.add_parser(
-        "tune", help="train the splice adapter on the tuning split (HotpotQA 300-699) by self-distillation"
-    )
-    tune.add_argument("--dataset", type=Path, required=True, help="the HotpotQA dev JSONL the tuning split is in")
-    tune.add_argument("--work", type=Path, default=None, help="teacher data and chunk stores (default: cache/tune)")
-    tune.add_argument("--out", type=Path, default=None, help="adapter file (default: where serving looks for it)")
-    tune.add_argument("--variants", default=None, help="comma-separated context variants (default: all)")
-    tune.add_argument("--teacher-only", action="store_true", help="only generate (or resume) the teacher data")
-    tune.add_argument("--rank", type=int, default=8, help="LoRA rank (default 8)")
-    tune.add_argument("--alpha", type=float, default=16.0, help="LoRA alpha; scale = alpha / rank (default 16)")
-    tune.add_argument("--targets", default="q_proj,o_proj", help="linear layers adapted (default q_proj,o_proj)")
-    tune.add_argument("--epochs", type=int, default=4, help="passes over the training pairs (default 4)")
-    tune.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (default 1e-3)")
-    tune.add_argument("--accumulate", type=int, default=8, help="pairs per optimizer step (default 8)")
-    tune.add_argument("--eval-every", type=int, default=400, help="pairs between validations (default 400)")
-    tune.add_argument("--patience", type=int, default=3, help="validations without improvement to stop (default 3)")
-    tune.add_argument(
-        "--recompute", default="0", metavar="R1,R2,...",
-        help="shares of chunk tokens the student recomputes first, as selective:<share> serves with "
-        "+adapter-question; pairs cycle through them (default 0: the prefix path only)",
-    )  # fmt: skip
-    tune.add_argument(
-        "--calibrate", default=None, metavar="T1,...:S1,...",
-        help="then fit APE's temperature and scale on this grid, with the adapter (e.g. 0.9,1:1,1.1)",
-    )  # fmt: skip
-
-
-def _shares(text: str) -> tuple[float, ...]:
-    try:
-        shares = tuple(float(x) for x in text.split(","))
-    except ValueError:
-        shares = ()
-    if not shares or any(not 0 <= x <= 1 for x in shares):
-        msg = f"--recompute takes comma-separated shares between 0 and 1, got {text!r}"
-        raise PCRagError(msg)
-    return shares
-
-
-def _run_tune(args: argparse.Namespace, lm: object) -> int:
-    from pc_rag.model import cache_dir
-    from pc_rag.rag import RagEngine, RagPrompt
-    from pc_rag.rag.adapter import AdapterConfig
-    from pc_rag.rag.tuned import adapter_file, tuned_dirs
-    from pc_rag.tune.command import tune
-    from pc_rag.tune.pairs import VARIANTS
-    from pc_rag.tune.train import TrainConfig
-
-    engine = RagEngine(lm, RagPrompt.longbench())
-    variants = tuple(v.strip() for v in args.variants.split(",")) if args.variants else VARIANTS
-    adapter_config = AdapterConfig(args.rank, args.alpha, tuple(t.strip() for t in args.targets.split(",")))
-    train_config = TrainConfig(
-        epochs=args.epochs, lr=args.lr, accumulate=args.accumulate, eval_every=args.eval_every, patience=args.patience,
-        recompute=_shares(args.recompute),
-    )  # fmt: skip
-    out = args.out or tuned_dirs()[0] / adapter_file(lm.fingerprint())
-    grid = _calibration_grid(args.calibrate) if args.calibrate else None
-    summary = tune(
-        engine, args.dataset, args.work or cache_dir() / "tune", out, variants=variants,
-        adapter_config=adapter_config, train_config=train_config, teacher_only=args.teacher_only,
-        calibration_grid=grid,
-    )  # fmt: skip
-    if args.teacher_only:
-        print(f"teacher data: {summary['teacher_pairs']} pairs")
-        return 0
-    base, best = summary["history"][0], summary["best"]
-    pairs = f"{summary['train_pairs']} training pairs, {summary['val_pairs']} validation"
-    print(f"adapter -> {summary['adapter']} ({pairs})")
-    print(f"validation KL(full || spliced), first token / 8 tokens: without adapter {base['first_kl']:.4f} / "
-          f"{base['mean_kl']:.4f}, with {best['first_kl']:.4f} / {best['mean_kl']:.4f}")  # fmt: skip
-    if "calibration" in summary:
-        c = summary["calibration"]
-        print(f"APE calibration -> {c['path']}: temperature {c['temperature']}, scale {c['scale']}")
-    return 0
-
-
 def _codec_levels(spec: str | None) -> tuple[int, ...]:
     """The one CacheGen level of ``eval --codec``; ``EvalError`` for other specs."""
     from pc_rag.errors import EvalError, StoreError
@@ -471,29 +418,3 @@ def _codec_for(lm: object) -> object:
         msg = f"no CacheGen tables for model {lm.fingerprint()}: make them with `pc-rag tune-codec`"
         raise EvalError(msg)
     return CacheGenCodec(CodecTables.load(path))
-
-
-def _run_tune_codec(args: argparse.Namespace, lm: object) -> int:
-    from pc_rag.rag import RagEngine, RagPrompt
-    from pc_rag.rag.tuned import codec_tables_file, tuned_dirs
-    from pc_rag.tune.codec import fit_codec
-
-    tables = fit_codec(RagEngine(lm, RagPrompt.longbench()), args.dataset, args.passages)
-    out = args.out or tuned_dirs()[0] / codec_tables_file(lm.fingerprint())
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tables.save(out)
-    limits = ", ".join(f"{n}: step {lv.step}, range {lv.limit}" for n, lv in sorted(tables.levels.items()))
-    print(f"CacheGen tables {tables.digest} -> {out} (levels {limits})")
-    return 0
-
-
-def _calibration_grid(spec: str) -> tuple[list[float], list[float]]:
-    try:
-        temperatures, scales = ([float(x) for x in part.split(",")] for part in spec.split(":"))
-    except ValueError as e:
-        msg = f"--calibrate takes T1,T2,...:S1,S2,..., got {spec!r}"
-        raise PCRagError(msg) from e
-    if not temperatures or not scales or min(temperatures + scales) <= 0:
-        msg = f"--calibrate needs positive temperatures and scales, got {spec!r}"
-        raise PCRagError(msg)
-    return temperatures, scales

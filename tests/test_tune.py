@@ -109,7 +109,7 @@ def test_training_lowers_kl_to_full_prefill(engine, chunks) -> None:
 
 
 def test_recompute_shares_are_parsed_or_refused() -> None:
-    from pc_rag.cli import _shares
+    from pc_rag.tune.cli import _shares
 
     assert _shares("0,0.1,0.2") == (0.0, 0.1, 0.2)
     for bad in ("", "0,x", "1.5", "-0.1"):

@@ -1,0 +1,116 @@
+"""The ``pc-rag tune`` and ``pc-rag tune-codec`` subcommands: arguments and running (imports stay lazy)."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from pathlib import Path
+
+from pc_rag.errors import PCRagError
+
+
+def add_parsers(commands: argparse._SubParsersAction, positive: Callable[[str], int]) -> None:
+    """The ``tune`` and ``tune-codec`` subcommands."""
+    fit = commands.add_parser("tune-codec", help="fit the model's CacheGen tables on passages of the tuning split")
+    fit.add_argument("--dataset", type=Path, required=True, help="the HotpotQA dev JSONL the tuning split is in")
+    fit.add_argument("--passages", type=positive, default=200, help="passages to fit on (default 200)")
+    fit.add_argument("--out", type=Path, default=None, help="table file (default: where stores look for it)")
+    tune = commands.add_parser(
+        "tune", help="train the splice adapter on the tuning split (HotpotQA 300-699) by self-distillation"
+    )
+    tune.add_argument("--dataset", type=Path, required=True, help="the HotpotQA dev JSONL the tuning split is in")
+    tune.add_argument("--work", type=Path, default=None, help="teacher data and chunk stores (default: cache/tune)")
+    tune.add_argument("--out", type=Path, default=None, help="adapter file (default: where serving looks for it)")
+    tune.add_argument("--variants", default=None, help="comma-separated context variants (default: all)")
+    tune.add_argument("--teacher-only", action="store_true", help="only generate (or resume) the teacher data")
+    tune.add_argument("--rank", type=int, default=8, help="LoRA rank (default 8)")
+    tune.add_argument("--alpha", type=float, default=16.0, help="LoRA alpha; scale = alpha / rank (default 16)")
+    tune.add_argument("--targets", default="q_proj,o_proj", help="linear layers adapted (default q_proj,o_proj)")
+    tune.add_argument("--epochs", type=int, default=4, help="passes over the training pairs (default 4)")
+    tune.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (default 1e-3)")
+    tune.add_argument("--accumulate", type=int, default=8, help="pairs per optimizer step (default 8)")
+    tune.add_argument("--eval-every", type=int, default=400, help="pairs between validations (default 400)")
+    tune.add_argument("--patience", type=int, default=3, help="validations without improvement to stop (default 3)")
+    tune.add_argument(
+        "--recompute", default="0", metavar="R1,R2,...",
+        help="shares of chunk tokens the student recomputes first, as selective:<share> serves with "
+        "+adapter-question; pairs cycle through them (default 0: the prefix path only)",
+    )  # fmt: skip
+    tune.add_argument(
+        "--calibrate", default=None, metavar="T1,...:S1,...",
+        help="then fit APE's temperature and scale on this grid, with the adapter (e.g. 0.9,1:1,1.1)",
+    )  # fmt: skip
+
+
+def _shares(text: str) -> tuple[float, ...]:
+    try:
+        shares = tuple(float(x) for x in text.split(","))
+    except ValueError:
+        shares = ()
+    if not shares or any(not 0 <= x <= 1 for x in shares):
+        msg = f"--recompute takes comma-separated shares between 0 and 1, got {text!r}"
+        raise PCRagError(msg)
+    return shares
+
+
+def run_tune(args: argparse.Namespace, lm: object) -> int:
+    from pc_rag.model import cache_dir
+    from pc_rag.rag import RagEngine, RagPrompt
+    from pc_rag.rag.adapter import AdapterConfig
+    from pc_rag.rag.tuned import adapter_file, tuned_dirs
+    from pc_rag.tune.command import tune
+    from pc_rag.tune.pairs import VARIANTS
+    from pc_rag.tune.train import TrainConfig
+
+    engine = RagEngine(lm, RagPrompt.longbench())
+    variants = tuple(v.strip() for v in args.variants.split(",")) if args.variants else VARIANTS
+    adapter_config = AdapterConfig(args.rank, args.alpha, tuple(t.strip() for t in args.targets.split(",")))
+    train_config = TrainConfig(
+        epochs=args.epochs, lr=args.lr, accumulate=args.accumulate, eval_every=args.eval_every, patience=args.patience,
+        recompute=_shares(args.recompute),
+    )  # fmt: skip
+    out = args.out or tuned_dirs()[0] / adapter_file(lm.fingerprint())
+    grid = _calibration_grid(args.calibrate) if args.calibrate else None
+    summary = tune(
+        engine, args.dataset, args.work or cache_dir() / "tune", out, variants=variants,
+        adapter_config=adapter_config, train_config=train_config, teacher_only=args.teacher_only,
+        calibration_grid=grid,
+    )  # fmt: skip
+    if args.teacher_only:
+        print(f"teacher data: {summary['teacher_pairs']} pairs")
+        return 0
+    base, best = summary["history"][0], summary["best"]
+    pairs = f"{summary['train_pairs']} training pairs, {summary['val_pairs']} validation"
+    print(f"adapter -> {summary['adapter']} ({pairs})")
+    print(f"validation KL(full || spliced), first token / 8 tokens: without adapter {base['first_kl']:.4f} / "
+          f"{base['mean_kl']:.4f}, with {best['first_kl']:.4f} / {best['mean_kl']:.4f}")  # fmt: skip
+    if "calibration" in summary:
+        c = summary["calibration"]
+        print(f"APE calibration -> {c['path']}: temperature {c['temperature']}, scale {c['scale']}")
+    return 0
+
+
+def run_tune_codec(args: argparse.Namespace, lm: object) -> int:
+    from pc_rag.rag import RagEngine, RagPrompt
+    from pc_rag.rag.tuned import codec_tables_file, tuned_dirs
+    from pc_rag.tune.codec import fit_codec
+
+    tables = fit_codec(RagEngine(lm, RagPrompt.longbench()), args.dataset, args.passages)
+    out = args.out or tuned_dirs()[0] / codec_tables_file(lm.fingerprint())
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tables.save(out)
+    limits = ", ".join(f"{n}: step {lv.step}, range {lv.limit}" for n, lv in sorted(tables.levels.items()))
+    print(f"CacheGen tables {tables.digest} -> {out} (levels {limits})")
+    return 0
+
+
+def _calibration_grid(spec: str) -> tuple[list[float], list[float]]:
+    try:
+        temperatures, scales = ([float(x) for x in part.split(",")] for part in spec.split(":"))
+    except ValueError as e:
+        msg = f"--calibrate takes T1,T2,...:S1,S2,..., got {spec!r}"
+        raise PCRagError(msg) from e
+    if not temperatures or not scales or min(temperatures + scales) <= 0:
+        msg = f"--calibrate needs positive temperatures and scales, got {spec!r}"
+        raise PCRagError(msg)
+    return temperatures, scales
