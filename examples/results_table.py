@@ -22,11 +22,11 @@ from typing import Any
 Row = dict[str, Any]
 
 
-def _delta(row: Row) -> str:
-    if row.get("f1_delta") is None:
+def _delta(row: Row, key: str = "f1_delta") -> str:
+    if row.get(key) is None:
         return ""
-    low, high = row["f1_delta_ci95"]
-    return f"{row['f1_delta']:+.2f} [{low:+.2f}, {high:+.2f}]"
+    low, high = row[f"{key}_ci95"]
+    return f"{row[key]:+.2f} [{low:+.2f}, {high:+.2f}]"
 
 
 def _share(key: str) -> Callable[[Row], str]:
@@ -50,6 +50,16 @@ COLUMNS: dict[str, tuple[str, Callable[[Row], str]]] = {
     "ttft": ("TTFT p50", lambda r: f"{r['ttft_ms_median']:,.0f} ms"),
     "speedup": ("speedup", lambda r: f"{r['speedup']:.1f}x"),
     "recall": ("recall@k", _number("retrieval_recall", 3)),
+    "codec_kl": ("KL(uncompressed‖compressed)", _number("codec_kl", 4)),
+    "codec_agr": ("first token = uncompressed", _share("codec_agreement")),
+    "codec_df1": (
+        "ΔF1 vs uncompressed [95% CI]",
+        lambda r: (
+            ""
+            if r.get("codec_f1_delta") is None
+            else f"{r['codec_f1_delta']:+.2f} [{r['codec_f1_delta_ci95'][0]:+.2f}, {r['codec_f1_delta_ci95'][1]:+.2f}]"
+        ),
+    ),
 }
 DEFAULT = "n,context,f1,df1,identical,tok1,kl,tfkl,tfagr,ttft,speedup"
 
