@@ -31,11 +31,16 @@ def test_any_symbols_round_trip_under_any_table(case: tuple[np.ndarray, np.ndarr
     assert (freq.sum(axis=1) == 1 << rans.PROB_BITS).all() and (freq >= 1).all()
     freq, cum, lut = rans.decoding_tables(freq)
     words = rans.encode(symbols, freq, cum)
-    out, used = rans.decode(words, *symbols.shape, freq, cum, lut)
+    out, used = _decode(words, symbols.shape, freq, cum, lut)
     assert used == len(words)
     np.testing.assert_array_equal(out, symbols)
-    shifted, _ = rans.decode(words, *symbols.shape, freq, cum, lut, 7)
-    np.testing.assert_array_equal(shifted, symbols - 7)
+    lanes, length = symbols.shape
+    scale = np.linspace(0.5, 2.0, lanes, dtype=np.float32)
+    spread = np.full((lanes, 2 * length + 1), np.nan, np.float32)  # every other column, the rest untouched
+    used = rans.decode(words, freq, cum, lut, 7, scale, np.arange(1, 2 * length + 1, 2), spread)
+    assert used == len(words)
+    np.testing.assert_array_equal(spread[:, 1::2], (symbols - 7) * scale[:, None])
+    assert np.isnan(spread[:, ::2]).all()
 
 
 def test_the_rate_is_close_to_the_entropy() -> None:
@@ -63,7 +68,7 @@ def test_damaged_words_are_reported_not_read_past(damage: str) -> None:
         words[len(words) // 2] ^= 0x5A5A
     else:
         words = np.concatenate([words, words[:3]])
-    out, used = rans.decode(words, 3, 50, freq, cum, lut)
+    out, used = _decode(words, (3, 50), freq, cum, lut)
     assert used != len(words) or not np.array_equal(out, symbols)
     if damage != "flip":
         assert used == -1 or used != len(words)
@@ -76,3 +81,12 @@ def test_tables_it_cannot_hold_are_refused() -> None:
         rans.quantize_probabilities(np.array([[3, 0, 1]]))
     with pytest.raises(ValueError, match="sum to 4096"):
         rans.decoding_tables(np.array([[3, 5, 1]]))
+
+
+def _decode(
+    words: np.ndarray, shape: tuple[int, int], freq: np.ndarray, cum: np.ndarray, lut: np.ndarray
+) -> tuple[np.ndarray, int]:
+    """The symbols [lanes, length] and the words read (-1: damaged), with no offset or scale."""
+    out = np.zeros(shape, np.float32)
+    used = rans.decode(words, freq, cum, lut, 0, np.ones(shape[0], np.float32), np.arange(shape[1]), out)
+    return out, used

@@ -13,7 +13,7 @@ import struct
 import numpy as np
 import torch
 
-from pc_rag.codec.quantize import Quantized, dequantize, quantize
+from pc_rag.codec.quantize import coded_columns, quantize, reconstruct
 from pc_rag.codec.tables import CodecTables
 from pc_rag.errors import CodecCorruptedError, CodecError
 from pc_rag.kv import SpanKV
@@ -33,6 +33,7 @@ class CacheGenCodec:
 
     def __init__(self, tables: CodecTables) -> None:
         self.tables = tables
+        self._scales: dict[int, np.ndarray] = {}
 
     def encode(self, span: SpanKV, level: int) -> bytes:
         """``span`` at quality ``level`` as bytes."""
@@ -78,10 +79,19 @@ class CacheGenCodec:
         raw = reader.take(np.int32, (n_raw,)).long()
         raw_values = reader.take(_RAW_DTYPES[raw_dtype], (2, layers, heads, n_raw, dim))
         words = reader.rest(np.uint16, n_words, len(view) - _CHECKSUM_BYTES)
-        lv = self.tables.level(level)
-        symbols = self.tables.coder(level).decode(words, length - n_raw)
-        x = dequantize(Quantized(symbols, raw), self.tables.transform, lv.step, raw_values)
+        if raw.numel() and (int(raw[0]) < 0 or int(raw[-1]) >= length or bool((raw.diff() <= 0).any())):
+            raise CodecCorruptedError("compressed KV names exact tokens outside its length: the bytes are damaged")
+        c = np.empty((2, layers, heads, dim, length), np.float32)
+        self.tables.coder(level).decode_into(words, c, coded_columns(raw, length).numpy(), self._scale(level))
+        x = reconstruct(torch.from_numpy(c), raw, self.tables.transform, raw_values)
         return SpanKV(x[0].to(dtype), x[1].to(dtype), positions)
+
+    def _scale(self, level: int) -> np.ndarray:
+        """Each lane's quantization step at ``level`` [2, L, H, D] (float32)."""
+        if level not in self._scales:
+            steps = self.tables.transform.steps(self.tables.level(level).step)[..., 0]  # [2, L, H, 1]
+            self._scales[level] = np.ascontiguousarray(steps.expand(*steps.shape[:3], self.tables.shape[2]).numpy())
+        return self._scales[level]
 
     def _check_shape(self, layers: int, heads: int, dim: int) -> None:
         if (layers, heads, dim) != self.tables.shape:

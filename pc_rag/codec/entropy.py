@@ -34,9 +34,18 @@ class SymbolCoder:
         lanes = symbols.transpose(3, 4).reshape(self.lanes, -1).to(torch.int32) + self.limit
         return rans.encode(np.ascontiguousarray(lanes.numpy()), self._freq, self._cum)
 
-    def decode(self, words: np.ndarray, length: int) -> torch.Tensor:
-        """The symbols [2, L, H, length, D] (int16) that ``encode`` turned into ``words``."""
-        lanes, used = rans.decode(words, self.lanes, length, self._freq, self._cum, self._lut, self.limit)
+    def decode_into(self, words: np.ndarray, out: np.ndarray, columns: np.ndarray, scale: np.ndarray) -> None:
+        """Decode ``words`` into ``out`` [2, L, H, D, S] (float32, C-contiguous): each lane's symbols, times its
+        ``scale`` [2, L, H, D], at token ``columns`` (int64, one per coded token); other tokens are left alone."""
+        if not out.flags.c_contiguous or out.dtype != np.float32:
+            raise ValueError("symbols decode into a C-contiguous float32 array")
+        lanes = out.reshape(self.lanes, out.shape[-1])
+        used = rans.decode(words, self._freq, self._cum, self._lut, self.limit, scale.reshape(-1), columns, lanes)
         if used != len(words):
             raise CodecCorruptedError("compressed KV does not decode to its length: the bytes are damaged")
-        return torch.from_numpy(lanes).view(*self.shape, length).transpose(3, 4)
+
+    def decode(self, words: np.ndarray, length: int) -> torch.Tensor:
+        """The symbols [2, L, H, length, D] (int16) that ``encode`` turned into ``words``."""
+        out = np.empty((*self.shape, length), np.float32)
+        self.decode_into(words, out, np.arange(length), np.ones(self.shape, np.float32))
+        return torch.from_numpy(out).transpose(3, 4).to(torch.int16)

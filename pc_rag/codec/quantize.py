@@ -69,20 +69,39 @@ def dequantize(q: Quantized, transform: Transform, step: float, raw_values: torc
     """The reconstruction [2, L, H, S, D] float32 of ``q``; ``raw_values`` [2, L, H, n_raw, D] the exact tokens."""
     kinds, layers, heads, coded, dim = q.symbols.shape
     length = coded + q.raw.numel()
+    c = torch.empty(kinds, layers, heads, dim, length)
+    c[..., coded_columns(q.raw, length)] = (q.symbols.float() * transform.steps(step)).transpose(3, 4)
+    return reconstruct(c, q.raw, transform, raw_values)
+
+
+def coded_columns(raw: torch.Tensor, length: int) -> torch.Tensor:
+    """The indices of the tokens that are coded, not kept exactly (``raw``), in order."""
     is_raw = torch.zeros(length, dtype=torch.bool)
-    is_raw[q.raw] = True
-    steps = transform.steps(step)
-    c = torch.empty(kinds, layers, heads, length, dim)
-    c[:, :, :, ~is_raw] = q.symbols.float() * steps
-    c[:, :, :, is_raw] = transform.forward(raw_values.float())
+    is_raw[raw] = True
+    return (~is_raw).nonzero().flatten()
+
+
+def reconstruct(c: torch.Tensor, raw: torch.Tensor, transform: Transform, raw_values: torch.Tensor) -> torch.Tensor:
+    """KV [2, L, H, S, D] float32 from coefficients ``c`` [2, L, H, D, S] (dequantized at the coded tokens; the
+    columns of ``raw`` are filled here, and ``c`` is changed in place) and the exact tokens ``raw_values``."""
+    kinds, layers, heads, dim, length = c.shape
+    raw_values = raw_values.float()
+    if raw.numel():
+        c[..., raw] = transform.forward(raw_values).transpose(3, 4)
     if bool(transform.anchored.any()):
         follows = torch.ones(length, dtype=torch.bool)
         follows[0] = False
         follows[1::GROUP_TOKENS] = False
-        add = follows & ~is_raw
-        c[:, :, :, add] += _prediction(c[:, :, :, 1::GROUP_TOKENS], transform.anchored, length)[:, :, :, add]
-    out = transform.inverse(c)
-    out[:, :, :, is_raw] = raw_values.float()  # as given, not through the transform's rounding
+        follows[raw] = False
+        anchors = c[..., 1::GROUP_TOKENS].transpose(3, 4)
+        c[..., follows] += _prediction(anchors, transform.anchored, length).transpose(3, 4)[..., follows]
+    batch = kinds * layers * heads
+    out = torch.baddbmm(
+        transform.mean.reshape(batch, 1, dim),
+        c.reshape(batch, dim, length).transpose(1, 2),
+        transform.basis.reshape(batch, dim, dim).transpose(1, 2),
+    ).view(kinds, layers, heads, length, dim)
+    out[:, :, :, raw] = raw_values  # as given, not through the transform's rounding
     return out
 
 

@@ -77,13 +77,15 @@ def encode(lanes: np.ndarray, freq: np.ndarray, cum: np.ndarray) -> np.ndarray: 
 
 @numba.njit(cache=True, nogil=True)
 def decode(
-    words: np.ndarray, n: int, length: int, freq: np.ndarray, cum: np.ndarray, lut: np.ndarray, offset: int = 0
-) -> tuple[np.ndarray, int]:  # pragma: no cover (compiled)
-    """Symbols minus ``offset`` [n, length] (int16) and the number of words read; -1 if the words are damaged
-    (they ran out, or the states do not end where encoding began)."""
-    out = np.empty((n, length), np.int16)
+    words: np.ndarray, freq: np.ndarray, cum: np.ndarray, lut: np.ndarray, offset: int, scale: np.ndarray,
+    columns: np.ndarray, out: np.ndarray,
+) -> int:  # pragma: no cover (compiled)  # fmt: skip
+    """Decode ``len(columns)`` symbols per lane into ``out`` [n, W] (float32): ``out[lane, columns[t]]`` becomes
+    ``(symbol - offset) * scale[lane]``. The number of words read; -1 if the words are damaged (they ran out,
+    or the states do not end where encoding began)."""
+    n, length = out.shape[0], len(columns)
     if len(words) < 2 * _STATES:
-        return out, -1
+        return -1
     states = np.empty(_STATES, np.uint32)
     for j in range(_STATES):
         states[j] = (np.uint32(words[2 * j]) << 16) | np.uint32(words[2 * j + 1])
@@ -92,34 +94,34 @@ def decode(
     mask = np.uint32(_TOTAL - 1)
     x0, x1, x2, x3 = states[0], states[1], states[2], states[3]
     for lane in range(n):
-        c, f, table = cum[lane], freq[lane], lut[lane]
+        c, f, table, row, k = cum[lane], freq[lane], lut[lane], out[lane], scale[lane]
         t = 0
         while t + 4 <= length:  # the four states' chains are independent: the CPU overlaps them
             s0, s1, s2, s3 = table[x0 & mask], table[x1 & mask], table[x2 & mask], table[x3 & mask]
-            out[lane, t], out[lane, t + 1] = s0 - offset, s1 - offset
-            out[lane, t + 2], out[lane, t + 3] = s2 - offset, s3 - offset
+            row[columns[t]], row[columns[t + 1]] = (np.int32(s0) - offset) * k, (np.int32(s1) - offset) * k
+            row[columns[t + 2]], row[columns[t + 3]] = (np.int32(s2) - offset) * k, (np.int32(s3) - offset) * k
             x0 = f[s0] * (x0 >> PROB_BITS) + (x0 & mask) - c[s0]
             x1 = f[s1] * (x1 >> PROB_BITS) + (x1 & mask) - c[s1]
             x2 = f[s2] * (x2 >> PROB_BITS) + (x2 & mask) - c[s2]
             x3 = f[s3] * (x3 >> PROB_BITS) + (x3 & mask) - c[s3]
             if x0 < _LOW:
                 if p >= end:
-                    return out, -1
+                    return -1
                 x0 = (x0 << 16) | np.uint32(words[p])
                 p += 1
             if x1 < _LOW:
                 if p >= end:
-                    return out, -1
+                    return -1
                 x1 = (x1 << 16) | np.uint32(words[p])
                 p += 1
             if x2 < _LOW:
                 if p >= end:
-                    return out, -1
+                    return -1
                 x2 = (x2 << 16) | np.uint32(words[p])
                 p += 1
             if x3 < _LOW:
                 if p >= end:
-                    return out, -1
+                    return -1
                 x3 = (x3 << 16) | np.uint32(words[p])
                 p += 1
             t += 4
@@ -127,11 +129,11 @@ def decode(
             j = t % 4
             x = x0 if j == 0 else x1 if j == 1 else x2 if j == 2 else x3
             s = table[x & mask]
-            out[lane, t] = s - offset
+            row[columns[t]] = (np.int32(s) - offset) * k
             x = f[s] * (x >> PROB_BITS) + (x & mask) - c[s]
             if x < _LOW:
                 if p >= end:
-                    return out, -1
+                    return -1
                 x = (x << 16) | np.uint32(words[p])
                 p += 1
             if j == 0:
@@ -144,5 +146,5 @@ def decode(
                 x3 = x
             t += 1
     if x0 != _LOW or x1 != _LOW or x2 != _LOW or x3 != _LOW:
-        return out, -1  # a correct stream ends where the encoder started
-    return out, p
+        return -1  # a correct stream ends where the encoder started
+    return p
