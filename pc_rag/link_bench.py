@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+from math import inf
 
 import numpy as np
 import torch
@@ -23,7 +24,7 @@ from pc_rag.codec import CacheGenCodec
 from pc_rag.kv import SpanKV
 from pc_rag.rag.engine import Chunk, RagEngine
 from pc_rag.sample import sample_questions
-from pc_rag.store.loader import TEXT, AdaptiveLoader, Throttled
+from pc_rag.store.loader import RAW, TEXT, AdaptiveLoader, Throttled
 
 MODE = "default"
 
@@ -39,13 +40,13 @@ class LinkRow:
 
 
 class _Blobs:
-    """Chunks' bytes in memory as a ``ChunkSource``: CacheGen levels, and level 0 for raw bfloat16 KV."""
+    """Chunks' bytes in memory as a ``ChunkSource``: CacheGen levels, and ``RAW`` for bfloat16 KV."""
 
     def __init__(self, blobs: dict[tuple[int, int], bytes]) -> None:
         self.blobs = blobs
 
     def levels(self, chunk_id: int) -> tuple[int, ...]:
-        return tuple(n for (c, n) in self.blobs if c == chunk_id and n > 0)
+        return tuple(n for (c, n) in self.blobs if c == chunk_id)
 
     def size(self, chunk_id: int, level: int) -> int:
         return len(self.blobs[chunk_id, level])
@@ -98,26 +99,48 @@ def _load(
     engine: RagEngine, codec: CacheGenCodec, chunks: list[Chunk], link: Throttled, storage: str, target: float,
     decode_cost: float, recompute_cost: float, bytes_per_s: float,
 ) -> tuple[list[Chunk], int, list[int | str]]:  # fmt: skip
-    """The chunks as loaded over ``link`` in ``storage``, the bytes fetched and the level of each (0: bfloat16)."""
+    """The chunks as loaded over ``link`` in ``storage``, the bytes fetched and the level of each (0: bfloat16).
+
+    Every storage goes through the same pipelined loader (fetch one chunk while the previous ones decode); a
+    fixed storage is a loader that has one level and never recomputes."""
     if storage == "cachegen:adaptive":
-        loader = AdaptiveLoader(link, codec, ttft_target_s=target, decode_s_per_token=decode_cost,
-                                recompute_s_per_token=recompute_cost, initial_bytes_per_s=bytes_per_s)  # fmt: skip
-        results = loader.load([(i, len(c.token_ids)) for i, c in enumerate(chunks)])
-        spans = [
-            engine.encode_token_ids([list(c.token_ids)], c.conditioned)[0].kv if r.level == TEXT else r.span
-            for c, r in zip(chunks, results, strict=True)
-        ]
-        picks, nbytes = [r.level for r in results], sum(r.nbytes for r in results)
+        source = link
     else:
-        level = 0 if storage == "bfloat16" else int(storage.split(":")[1])
-        data = [link.read(i, level) for i in range(len(chunks))]
-        spans = [_from_raw(d, c.kv) if level == 0 else codec.decode(d) for d, c in zip(data, chunks, strict=True)]
-        picks, nbytes = [level] * len(chunks), sum(map(len, data))
+        source, recompute_cost = _OneLevel(link, RAW if storage == "bfloat16" else int(storage.split(":")[1])), inf
+
+    def decode(chunk_id: int, level: int, data: bytes) -> SpanKV:
+        return _from_raw(data, chunks[chunk_id].kv) if level == RAW else codec.decode(data)
+
+    loader = AdaptiveLoader(
+        source, codec, ttft_target_s=target, decode_s_per_token=decode_cost, recompute_s_per_token=recompute_cost,
+        initial_bytes_per_s=bytes_per_s, decode=decode,
+    )  # fmt: skip
+    results = loader.load([(i, len(c.token_ids)) for i, c in enumerate(chunks)])
+    spans = [
+        engine.encode_token_ids([list(c.token_ids)], c.conditioned)[0].kv if r.level == TEXT else r.span
+        for c, r in zip(chunks, results, strict=True)
+    ]
     loaded = [
         replace(c, kv=SpanKV(s.keys.to(c.kv.keys.dtype), s.values.to(c.kv.values.dtype), s.positions))
         for c, s in zip(chunks, spans, strict=True)
     ]
-    return loaded, nbytes, picks
+    return loaded, sum(r.nbytes for r in results), [r.level for r in results]
+
+
+class _OneLevel:
+    """A source seen at one level only."""
+
+    def __init__(self, source: Throttled, level: int) -> None:
+        self.source, self.level = source, level
+
+    def levels(self, chunk_id: int) -> tuple[int, ...]:
+        return (self.level,)
+
+    def size(self, chunk_id: int, level: int) -> int:
+        return self.source.size(chunk_id, level)
+
+    def read(self, chunk_id: int, level: int) -> bytes:
+        return self.source.read(chunk_id, level)
 
 
 def _raw_bytes(kv: SpanKV) -> bytes:
@@ -133,15 +156,22 @@ def _from_raw(data: bytes, like: SpanKV) -> SpanKV:
 
 
 def _costs(engine: RagEngine, codec: CacheGenCodec, chunk: Chunk) -> tuple[float, float]:
-    """Seconds per token to decode the best level and to recompute a chunk, measured on one chunk."""
-    best = max(codec.tables.levels)
-    blob = codec.encode(chunk.kv, best)
-    began = time.perf_counter()
-    codec.decode(blob)
-    decode = (time.perf_counter() - began) / len(chunk.token_ids)
-    began = time.perf_counter()
-    engine.encode_token_ids([list(chunk.token_ids)], chunk.conditioned)
-    return decode, (time.perf_counter() - began) / len(chunk.token_ids)
+    """Seconds per token to decode the best level and to recompute a chunk, measured on one chunk (the best of
+    three, after a first call that compiles and warms up)."""
+    blob = codec.encode(chunk.kv, max(codec.tables.levels))
+    decode = _best_seconds(lambda: codec.decode(blob))
+    recompute = _best_seconds(lambda: engine.encode_token_ids([list(chunk.token_ids)], chunk.conditioned))
+    return decode / len(chunk.token_ids), recompute / len(chunk.token_ids)
+
+
+def _best_seconds(run: Callable[[], object], repeats: int = 3) -> float:
+    run()
+    times = []
+    for _ in range(repeats):
+        began = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - began)
+    return min(times)
 
 
 def format_rows(rows: Sequence[LinkRow]) -> str:

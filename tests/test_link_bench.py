@@ -33,7 +33,7 @@ def test_every_storage_is_timed_over_the_link(engine, codec) -> None:
     raw = by[slow, "bfloat16"]
     assert raw.load_ms >= 1000 * raw.bytes_per_token * 8 / slow * 100  # >= 100 tokens' bytes through the link
     assert by[slow, "cachegen:1"].bytes_per_token < raw.bytes_per_token / 3
-    assert set(by[fast, "cachegen:adaptive"].levels) == {str(max(codec.tables.levels))}  # a fast link: the best
+    assert set(by[fast, "cachegen:adaptive"].levels) == {"0"}  # a fast link: bfloat16, no decoding
     assert by[slow, "cachegen:5"].load_ms > by[slow, "cachegen:1"].load_ms
     assert "cachegen:adaptive" in format_rows(rows)
 

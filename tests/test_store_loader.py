@@ -10,7 +10,7 @@ from test_store_kvstore_codec import codec, span  # noqa: F401 (the codec fixtur
 
 from pc_rag.codec import CacheGenCodec
 from pc_rag.store.kvstore import KVStore
-from pc_rag.store.loader import TEXT, AdaptiveLoader, StoreSource, Throttled
+from pc_rag.store.loader import RAW, TEXT, AdaptiveLoader, StoreSource, Throttled
 
 CHUNKS = 6
 
@@ -83,3 +83,58 @@ def test_the_throttle_holds_a_real_read_to_its_bandwidth(source) -> None:
     assert time.perf_counter() - began >= 0.05
     with pytest.raises(ValueError, match="positive"):
         Throttled(source, 0)
+
+
+class WithRaw:
+    """A store source that also keeps each chunk raw, ten times the size of its best level."""
+
+    def __init__(self, source: StoreSource) -> None:
+        self.source = source
+
+    def levels(self, chunk_id: int) -> tuple[int, ...]:
+        return (RAW, *self.source.levels(chunk_id))
+
+    def size(self, chunk_id: int, level: int) -> int:
+        return 10 * self.source.size(chunk_id, 5) if level == RAW else self.source.size(chunk_id, level)
+
+    def read(self, chunk_id: int, level: int) -> bytes:
+        return bytes(self.size(chunk_id, level)) if level == RAW else self.source.read(chunk_id, level)
+
+
+def test_raw_kv_is_the_best_level_when_the_link_carries_it(source, codec) -> None:  # noqa: F811
+    raw = WithRaw(source)
+    decoded = []
+
+    def decode(chunk_id: int, level: int, data: bytes):
+        decoded.append(level)
+        return None if level == RAW else codec.decode(data)
+
+    for bandwidth, expected in [(1e12, {RAW}), (1.01 * source.size(0, 5) / (0.5 / CHUNKS), {5})]:
+        clock = FakeClock()
+        loader = AdaptiveLoader(
+            Throttled(raw, bandwidth, clock=clock), codec, ttft_target_s=0.5, decode_s_per_token=0.0,
+            recompute_s_per_token=1.0, initial_bytes_per_s=bandwidth, clock=clock, decode=decode,
+        )  # fmt: skip
+        assert {x.level for x in loader.load([(i, 24) for i in range(CHUNKS)])} == expected
+    assert sorted(set(decoded)) == [RAW, 5]
+    with pytest.raises(ValueError, match="no decoder for raw KV"):
+        AdaptiveLoader(Throttled(raw, 1e12), codec, ttft_target_s=0.5, decode_s_per_token=0.0,
+                       recompute_s_per_token=1.0, initial_bytes_per_s=1e12).load([(0, 24)])  # fmt: skip
+
+
+def test_decoding_overlaps_the_next_fetch(source, codec) -> None:  # noqa: F811
+    fetch = 0.05  # seconds per chunk on the link, and as long again to decode it
+
+    def slow_decode(chunk_id: int, level: int, data: bytes):
+        time.sleep(fetch)
+        return codec.decode(data)
+
+    link = Throttled(source, source.size(0, 5) / fetch)
+    loader = AdaptiveLoader(link, codec, ttft_target_s=100.0, decode_s_per_token=0.0, recompute_s_per_token=1.0,
+                            initial_bytes_per_s=link.bytes_per_s, decode=slow_decode)  # fmt: skip
+    began = time.perf_counter()
+    loaded = loader.load([(i, 24) for i in range(CHUNKS)])
+    elapsed = time.perf_counter() - began
+    assert [x.level for x in loaded] == [5] * CHUNKS and all(x.span is not None for x in loaded)
+    assert elapsed < 0.8 * 2 * fetch * CHUNKS, elapsed  # fetched and decoded one after the other: 2 * 0.3 s
+    assert loader.decode_cost == pytest.approx(fetch / 24, rel=0.5)  # measured, no longer the initial 0

@@ -26,6 +26,7 @@ import os
 import secrets
 import threading
 from collections.abc import Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -214,8 +215,14 @@ class KVStore:
         return self._open(name).get_tensor(f"{chunk_id}.l{self._level_of(record, chunk_id, level)}").numpy().tobytes()
 
     def get_many(self, chunk_ids: Iterable[int]) -> list[SpanKV]:
-        """``get`` for each id, in order."""
-        return [self.get(cid) for cid in chunk_ids]
+        """``get`` for each id, in order; chunks that are not in the LRU are read and decoded on as many threads
+        as torch uses (decoding releases the GIL)."""
+        chunk_ids = list(chunk_ids)
+        workers = min(len(chunk_ids), torch.get_num_threads())
+        if workers <= 1:
+            return [self.get(cid) for cid in chunk_ids]
+        with ThreadPoolExecutor(workers, thread_name_prefix="pc-rag-kv") as pool:
+            return list(pool.map(self.get, chunk_ids))
 
     def delete(self, chunk_ids: Iterable[int]) -> int:
         """Mark ``chunk_ids`` dead (unknown ids are ignored); return how many were deleted."""
