@@ -82,6 +82,10 @@ def main(argv: list[str] | None = None) -> int:
     link.add_argument("--questions", type=_positive, default=5, help="sample questions (median is reported)")
     link.add_argument("--target-ms", type=_positive, default=1000, help="the adaptive loader's TTFT target")
     link.add_argument("--json", type=Path, default=None, help="write the rows as JSON here")
+    codec = bench_kinds.add_parser("codec", help="CacheGen size and encode/decode speed per level, against zstd")
+    codec.add_argument("--questions", type=_positive, default=5, help="sample questions whose passages are coded")
+    codec.add_argument("--workers", type=_positive, default=2, help="decoding threads for the parallel column")
+    codec.add_argument("--json", type=Path, default=None, help="write the rows as JSON here")
     _add_eval_parser(commands)
     tune_cli.add_parsers(commands, _positive)
     args = parser.parse_args(argv)
@@ -199,6 +203,12 @@ def _run_bench(args: argparse.Namespace, lm: object) -> None:
         engine = RagEngine(lm, RagPrompt.longbench())
         rows = link_benchmark(engine, _codec_for(lm), _bandwidths(args.bandwidth), questions=args.questions,
                               ttft_target_s=args.target_ms / 1000)  # fmt: skip
+        print(format_rows(rows))
+    elif args.kind == "codec":
+        from pc_rag.codec_bench import codec_benchmark, format_rows
+
+        engine = RagEngine(lm, RagPrompt.longbench())
+        rows = codec_benchmark(engine, _codec_for(lm), questions=args.questions, workers=args.workers)
         print(format_rows(rows))
     elif args.kind == "encode":
         from pc_rag.encode_bench import encode_benchmark, format_rows
