@@ -4,7 +4,8 @@
 
 Given `pc-rag bench peers --json` files instead, prints TTFT, speedup and decode speed per peer (given
 `pc-rag bench encode --json` files, encoding throughput per path and dtype; given `pc-rag bench memory
---json` files, bytes per token per codec and dtype); given
+--json` files, bytes per token per codec and dtype; given `pc-rag bench codec --json` files, CacheGen size
+and speed per level; given `pc-rag bench link --json` files, cold TTFT per storage and link speed); given
 `examples/oracle_sweep.py --json` files, first-token and 8-token KL per selection and recompute budget.
 Otherwise prints a Markdown table with one row per (dataset, mode) of the chosen datasets: F1 and its change
 against full prefill with the paired bootstrap interval, answer identity, first-token agreement and KL,
@@ -133,6 +134,48 @@ def memory_table(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
+def codec_table(rows: list[Row]) -> str:
+    """Markdown: one row per CacheGen level, its size (against zstd of the same symbols) and its speed."""
+    head = ["codec", "B/token", "rANS B/token", "zstd-19 B/token", "encode tokens/s", "decode tokens/s",
+            "decode tokens/s, threads"]  # fmt: skip
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        cells = [
+            r["codec"], f"{r['bytes_per_token']:,.0f}", f"{r['rans_bytes_per_token']:,.0f}",
+            f"{r['zstd_bytes_per_token']:,.0f}", f"{r['encode_tokens_per_s']:,.0f}", f"{r['decode_tokens_per_s']:,.0f}",
+            f"{r['decode_tokens_per_s_parallel']:,.0f} ({r['workers']})",
+        ]  # fmt: skip
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def link_table(rows: list[Row]) -> str:
+    """Markdown: one row per storage, one column per link speed, cells "cold TTFT ms (bfloat16's TTFT / this),
+    load ms"; then the warm TTFT and the levels the adaptive loader chose."""
+    links = sorted({r["bandwidth_bits_per_s"] for r in rows if r["storage"] != "warm"})
+    cell = {(r["storage"], r["bandwidth_bits_per_s"]): r for r in rows}
+    head = ["storage", "B/token", *(f"{b / 1e6:,.0f} Mbit/s" for b in links)]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for storage in dict.fromkeys(r["storage"] for r in rows if r["storage"] != "warm"):
+        values = []
+        for b in links:
+            r = cell[storage, b]
+            ratio = cell["bfloat16", b]["ttft_ms"] / r["ttft_ms"]
+            values.append(f"{r['ttft_ms']:,.0f} ({ratio:.2f}x), load {r['load_ms']:,.0f}")
+        size = "varies" if storage.endswith("adaptive") else f"{cell[storage, links[0]]['bytes_per_token']:,.0f}"
+        lines.append("| " + " | ".join([storage, size, *values]) + " |")
+    warm = next((r["ttft_ms"] for r in rows if r["storage"] == "warm"), None)
+    chosen = "; ".join(
+        f"{b / 1e6:,.0f} Mbit/s: " + ", ".join(f"{k}: {v}" for k, v in sorted(cell[_ADAPTIVE, b]["levels"].items()))
+        for b in links
+        if (_ADAPTIVE, b) in cell
+    )
+    return "\n".join([*lines, "", f"Warm (chunks in memory): {warm:,.0f} ms. The adaptive loader's levels: {chosen}."])
+
+
+_ADAPTIVE = "cachegen:adaptive"
+
+
 SELECTIONS = {
     "query": "the question's attention over the spliced cache, first 2 layers (`query:<share>`, no window)",
     "attention": "oracle: the question's attention in full prefill, all layers",
@@ -169,6 +212,12 @@ def main() -> None:
         return
     if all(isinstance(d, list) and d and "disk_bytes_per_token" in d[0] for d in loaded):  # bench memory rows
         print(memory_table([row for d in loaded for row in d]))
+        return
+    if all(isinstance(d, list) and d and "rans_bytes_per_token" in d[0] for d in loaded):  # bench codec rows
+        print(codec_table([row for d in loaded for row in d]))
+        return
+    if all(isinstance(d, list) and d and "bandwidth_bits_per_s" in d[0] for d in loaded):  # bench link rows
+        print(link_table([row for d in loaded for row in d]))
         return
     if all(isinstance(d, list) for d in loaded):  # bench peers rows
         print(peers_table([row for d in loaded for row in d]))
