@@ -177,3 +177,26 @@ def test_unknown_levels_are_named() -> None:
 
 def test_group_size_is_the_papers() -> None:
     assert GROUP_TOKENS == 10
+
+
+def test_an_allocation_scales_each_layers_keys_and_values_steps(tables: CodecTables, tmp_path) -> None:
+    samples = [_kv(64, seed) for seed in range(6)]
+    allocation = torch.ones(2, LAYERS)
+    allocation[1, 0] = 0.25  # the first layer's values four times finer
+    weighted = fit_tables(samples, "test-model", allocation=allocation)
+    plain, fine = tables.transform.steps(0.5), weighted.transform.steps(0.5)
+    torch.testing.assert_close(fine[1, 0], plain[1, 0] * 0.25)
+    torch.testing.assert_close(fine[0], plain[0])
+    x = torch.stack(_kv(40, seed=9))
+
+    def error(t: CodecTables) -> float:  # the first layer's values, max abs error
+        codec = CacheGenCodec(t)
+        out = codec.decode(codec.encode(SpanKV(x[0], x[1], torch.arange(40)), 3))
+        return float((out.values - x[1])[0, :, 1:].abs().max())
+
+    assert error(weighted) < 0.5 * error(tables)
+    weighted.save(tmp_path / "t.safetensors")
+    again = CodecTables.load(tmp_path / "t.safetensors")
+    assert again.digest == weighted.digest != tables.digest and torch.equal(again.transform.allocation, allocation)
+    with pytest.raises(CodecError, match="allocation"):
+        fit_tables(samples, "test-model", allocation=torch.ones(LAYERS))

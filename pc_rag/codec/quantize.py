@@ -2,13 +2,14 @@
 
 Each head's vectors are centred and turned into their principal axes (``Transform``, fitted per
 (keys|values, layer, head) on a sample), then quantized with one uniform step per head: ``step`` times
-the head's RMS. In the transform domain a uniform step is the MSE-optimal allocation (components with
-little variance cost almost nothing). Each chunk's first token (a sink of attention
+the head's RMS times its layer's ``allocation`` for keys or values (CacheGen's layer-wise
+quantization, with the weights chosen by what the model's answers are sensitive to). Within a head,
+in the transform domain, a uniform step is the MSE-optimal allocation (components with little
+variance cost almost nothing). Each chunk's first token (a sink of attention
 for the chunk's own tokens) is kept exactly ("raw"), as is any token whose symbols would leave
 ``[-limit, limit]``. A layer may be ``anchored``: the other tokens form groups of ``GROUP_TOKENS`` and
 each but the group's first (its anchor) codes its difference from the reconstructed anchor
-(CacheGen's token-wise locality; fitting turns it on only where that leaves less variance).
-"""
+(CacheGen's token-wise locality; fitting turns it on only where that leaves less variance)."""
 
 from __future__ import annotations
 
@@ -22,12 +23,14 @@ GROUP_TOKENS = 10
 @dataclass
 class Transform:
     """Per keys/values, layer and head: ``mean`` [2, L, H, D], orthonormal ``basis`` [2, L, H, D, D] (columns),
-    ``rms`` [2, L, H]; ``anchored`` [2, L] bool."""
+    ``rms`` [2, L, H]; ``anchored`` [2, L] bool; ``allocation`` [2, L], each layer's keys' and values' step in
+    units of the level's (None: 1 everywhere)."""
 
     mean: torch.Tensor
     basis: torch.Tensor
     rms: torch.Tensor
     anchored: torch.Tensor
+    allocation: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Coefficients [2, L, H, S, D] of KV ``x`` [2, L, H, S, D]."""
@@ -38,7 +41,8 @@ class Transform:
 
     def steps(self, step: float) -> torch.Tensor:
         """Per-head quantization steps [2, L, H, 1, 1]."""
-        return (step * self.rms)[..., None, None]
+        steps = step * self.rms if self.allocation is None else step * self.rms * self.allocation[..., None]
+        return steps[..., None, None]
 
 
 @dataclass

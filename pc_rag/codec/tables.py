@@ -87,7 +87,9 @@ class CodecTables:
         try:
             info = json.loads(meta["json"])
             levels = {int(n): Level(int(n), float(d["step"]), int(d["limit"])) for n, d in info["levels"].items()}
-            transform = Transform(tensors["mean"], tensors["basis"], tensors["rms"], tensors["anchored"])
+            transform = Transform(
+                tensors["mean"], tensors["basis"], tensors["rms"], tensors["anchored"], tensors.get("allocation")
+            )
             tables = cls(info["fingerprint"], transform, levels, {n: tensors[f"level{n}.freq"] for n in levels})
         except (KeyError, TypeError, ValueError) as e:
             raise CodecCorruptedError(f"CacheGen tables {path} are malformed: {e!r}") from e
@@ -102,14 +104,18 @@ class CodecTables:
     def _tensors(self) -> dict[str, torch.Tensor]:
         t = self.transform
         tensors = {"mean": t.mean, "basis": t.basis, "rms": t.rms, "anchored": t.anchored}
+        if t.allocation is not None:  # tables fitted before allocations existed keep their digest
+            tensors["allocation"] = t.allocation
         tensors.update({f"level{n}.freq": self.freq[n] for n in self.levels})
         return {name: tensor.contiguous() for name, tensor in tensors.items()}
 
 
 def fit_tables(
-    samples: Sequence[tuple[torch.Tensor, torch.Tensor]], fingerprint: str, levels: Iterable[Level] = LEVELS.values()
-) -> CodecTables:
-    """Fit tables on ``samples`` of (keys, values) [L, H, S, D], keys as stored (after RoPE).
+    samples: Sequence[tuple[torch.Tensor, torch.Tensor]], fingerprint: str, levels: Iterable[Level] = LEVELS.values(),
+    allocation: torch.Tensor | None = None,
+) -> CodecTables:  # fmt: skip
+    """Fit tables on ``samples`` of (keys, values) [L, H, S, D], keys as stored (after RoPE), with steps spent
+    by ``allocation`` [2, L] (``Transform``; None: the same step everywhere).
 
     Counts start at one, so every symbol in a level's range stays codable; a level's range is what the
     sample needed plus a margin (tokens beyond it are kept exactly).
@@ -118,6 +124,11 @@ def fit_tables(
         raise CodecError("fitting CacheGen tables needs at least one sample module")
     kv = [torch.stack([k, v]).float() for k, v in samples]  # [2, L, H, S, D] each
     transform = _fit_transform(kv)
+    if allocation is not None:
+        if allocation.shape != transform.anchored.shape or not bool((allocation > 0).all()):
+            msg = f"an allocation is [2, {transform.anchored.shape[1]}] positive steps, got {tuple(allocation.shape)}"
+            raise CodecError(msg)
+        transform.allocation = allocation.float().contiguous()
     freq, fitted = {}, {}
     for lv in levels:
         symbols = [quantize(x, transform, lv.step, lv.limit).symbols for x in kv]
