@@ -392,6 +392,7 @@ def _run_eval(args: argparse.Namespace) -> int:
             "k": args.k if "open" in settings else None,
             "orders": orders,
             "codec": args.codec,
+            "codec_tables": codec.tables.digest if codec is not None else None,
         }
         write_json(rows, args.json, config)
     if args.plot:
