@@ -11,7 +11,8 @@ from conftest import tiny_model
 from pc_rag.codec import CacheGenCodec
 from pc_rag.errors import PCRagError
 from pc_rag.rag import RagEngine, RagPrompt
-from pc_rag.tune.codec import fit_codec
+from pc_rag.rag.modes import MODES
+from pc_rag.tune.codec import DEPTH_STEPS, PROBE_LAYERS_STEP, allocation, fit_codec
 
 
 def _dataset(path, examples: int) -> None:
@@ -32,6 +33,19 @@ def test_tables_are_fitted_on_tuning_passages_and_serve_the_codec(tmp_path, toke
     out = CacheGenCodec(tables).decode(CacheGenCodec(tables).encode(chunk.kv, 4))
     assert float((out.keys - chunk.kv.keys).abs().mean()) < 0.2 * float(chunk.kv.keys.abs().mean())
     assert torch.equal(out.positions, chunk.kv.positions)
+    layers = chunk.kv.keys.shape[0]
+    assert torch.equal(tables.transform.allocation, allocation(layers))
+
+
+@pytest.mark.parametrize("layers", [2, 18, 30])
+def test_the_allocation_spends_steps_by_depth_and_refines_the_probe_layers(layers: int) -> None:
+    probe = MODES["default"].probe_layer
+    out = allocation(layers)
+    assert out.shape == (2, layers) and torch.equal(out[0], out[1])
+    assert bool((out[:, : probe + 1] == PROBE_LAYERS_STEP).all())
+    assert set(out[0, probe + 1 :].tolist()) <= set(torch.tensor(DEPTH_STEPS).tolist())
+    if layers >= len(DEPTH_STEPS):
+        assert float(out[0, -1]) == DEPTH_STEPS[-1]
 
 
 def test_no_tuning_passages_is_a_clear_error(tmp_path, tokenizer) -> None:

@@ -1,0 +1,118 @@
+"""How CacheGen's step should be spent across layers: first-token KL of a mode against its size, per allocation.
+
+    HF_HUB_OFFLINE=1 python examples/codec_allocation.py --json examples/results/codec_allocation.json
+
+Questions come from the tuning split only (HotpotQA 340-355 by default: past the passages the shipped
+tables were fitted on), so the constants chosen from this (``pc_rag.tune.codec``) never see an evaluated
+question. Each question's passages are encoded for ``--mode``; each allocation quantizes and dequantizes
+them at each step (no entropy coding: the size is the ideal one, each lane's empirical entropy over all
+the questions' symbols, so it compares allocations, not the coder) and the mode answers; KL is
+KL(uncompressed || quantized) of the first token. Allocations: ``uniform`` (one step everywhere),
+``probe`` (only the default mode's probe layers finer), ``probe+sixth:G`` (``probe`` with the steps of
+sixth G of the layers doubled: the sensitivity scan) and ``tuned`` (``pc_rag.tune.codec.allocation``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from pc_rag.codec import CodecTables
+from pc_rag.codec.quantize import Transform, dequantize, quantize
+from pc_rag.eval.datasets import load_examples, tuning_split
+from pc_rag.eval.metrics import first_token_kl
+from pc_rag.kv import SpanKV
+from pc_rag.model import load_model
+from pc_rag.rag import RagEngine, RagPrompt
+from pc_rag.rag.modes import MODES
+from pc_rag.rag.tuned import find_codec_tables
+from pc_rag.tune.codec import PROBE_LAYERS_STEP, allocation
+
+DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "multidoc_qa" / "hotpotqa.jsonl"
+DEFAULT_ALLOCATIONS = ["uniform", "probe", *(f"probe+sixth:{g}" for g in range(6)), "tuned"]
+
+
+def named_allocation(name: str, layers: int) -> torch.Tensor:
+    """The [2, L] step factors called ``name`` (see the module docstring)."""
+    if name == "tuned":
+        return allocation(layers)
+    out = torch.ones(2, layers)
+    if name == "uniform":
+        return out
+    out[:, : MODES["default"].probe_layer + 1] = PROBE_LAYERS_STEP
+    if name.startswith("probe+sixth:"):
+        sixth = int(name.split(":")[1])
+        out[:, [i for i in range(layers) if i * 6 // layers == sixth]] *= 2
+    elif name != "probe":
+        raise SystemExit(f"unknown allocation {name!r}")
+    return out
+
+
+def ideal_bytes(symbols: list[torch.Tensor]) -> float:
+    """Bytes of ``symbols`` [2, L, H, S, D] each at each lane's empirical entropy over all of them."""
+    lanes = torch.cat([s.transpose(3, 4).reshape(-1, s.shape[3]) for s in symbols], dim=1).long() + 128
+    bits = 0.0
+    for lane in lanes:
+        counts = torch.bincount(lane, minlength=256).double()
+        counts = counts[counts > 0]
+        bits += float(-(counts * (counts / counts.sum()).log2()).sum())
+    return bits / 8
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dataset", type=Path, default=DATA)
+    parser.add_argument("--first", type=int, default=340, help="first question (its index in the file)")
+    parser.add_argument("--questions", type=int, default=16)
+    parser.add_argument("--mode", default="default")
+    parser.add_argument("--steps", default="0.7,1.0", help="comma-separated level steps (x each head's RMS)")
+    parser.add_argument("--allocations", default=",".join(DEFAULT_ALLOCATIONS))
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args()
+    lm = load_model()
+    engine = RagEngine(lm, RagPrompt.longbench())
+    base = CodecTables.load(find_codec_tables(lm.fingerprint())).transform
+    examples = [e for e in tuning_split(load_examples(args.dataset)) if e.index >= args.first][: args.questions]
+    cases = []
+    for e in examples:
+        texts = [engine.passage_text(i + 1, p.title, p.text) for i, p in enumerate(e.passages)]
+        chunks = engine.encode(texts, args.mode)
+        reference = engine.answer(chunks, e.question, args.mode, max_new_tokens=1).first_logits
+        cases.append((e.question, chunks, reference))
+    layers, rows = base.rms.shape[1], []
+    for name in args.allocations.split(","):
+        weights = named_allocation(name, layers)
+        transform = Transform(base.mean, base.basis, base.rms, base.anchored, weights)
+        for step in (float(s) for s in args.steps.split(",")):
+            kls, symbols, tokens = [], [], 0
+            for question, chunks, reference in cases:
+                coded = []
+                for c in chunks:
+                    x = torch.stack([c.kv.keys, c.kv.values]).float()
+                    q = quantize(x, transform, step, 127)
+                    symbols.append(q.symbols)
+                    tokens += x.shape[3]
+                    y = dequantize(q, transform, step, x[:, :, :, q.raw].half())
+                    coded.append(replace(c, kv=SpanKV(y[0], y[1], c.kv.positions)))
+                logits = engine.answer(coded, question, args.mode, max_new_tokens=1).first_logits
+                kls.append(first_token_kl(reference, logits))
+            row = {"allocation": name, "step": step, "ideal_bytes_per_token": ideal_bytes(symbols) / tokens,
+                   "kl": sum(kls) / len(kls), "kl_max": max(kls), "questions": len(cases)}  # fmt: skip
+            rows.append(row)
+            print(f"{name:<16} step {step:<5} {row['ideal_bytes_per_token']:>7,.0f} B/token  KL {row['kl']:.4f}")
+    if args.json:
+        config = {
+            "dataset": str(args.dataset),
+            "first": args.first,
+            "mode": args.mode,
+            "factors": allocation(layers).tolist(),
+        }
+        args.json.write_text(json.dumps({"config": config, "rows": rows}, indent=1) + "\n", encoding="utf-8")
+
+
+if __name__ == "__main__":
+    main()
