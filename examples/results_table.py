@@ -5,7 +5,8 @@
 Given `pc-rag bench peers --json` files instead, prints TTFT, speedup and decode speed per peer (given
 `pc-rag bench encode --json` files, encoding throughput per path and dtype; given `pc-rag bench memory
 --json` files, bytes per token per codec and dtype; given `pc-rag bench codec --json` files, CacheGen size
-and speed per level; given `pc-rag bench link --json` files, cold TTFT per storage and link speed); given
+and speed per level; given `pc-rag bench link --json` files, cold TTFT per storage and link speed; given
+`examples/codec_allocation.py --json` files, KL against size per step allocation); given
 `examples/oracle_sweep.py --json` files, first-token and 8-token KL per selection and recompute budget.
 Otherwise prints a Markdown table with one row per (dataset, mode) of the chosen datasets: F1 and its change
 against full prefill with the paired bootstrap interval, answer identity, first-token agreement and KL,
@@ -176,6 +177,17 @@ def link_table(rows: list[Row]) -> str:
 _ADAPTIVE = "cachegen:adaptive"
 
 
+def allocation_table(rows: list[Row]) -> str:
+    """Markdown: one row per (allocation, step) of ``examples/codec_allocation.py``: ideal size, first-token KL."""
+    lines = ["| allocation | step | ideal B/token | KL(uncompressed‖quantized) | max KL | questions |",
+             "|---|---|---|---|---|---|"]  # fmt: skip
+    for r in rows:
+        cells = [f"`{r['allocation']}`", f"{r['step']}", f"{r['ideal_bytes_per_token']:,.0f}", f"{r['kl']:.4f}",
+                 f"{r['kl_max']:.4f}", str(r["questions"])]  # fmt: skip
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 SELECTIONS = {
     "query": "the question's attention over the spliced cache, first 2 layers (`query:<share>`, no window)",
     "attention": "oracle: the question's attention in full prefill, all layers",
@@ -221,6 +233,9 @@ def main() -> None:
         return
     if all(isinstance(d, list) for d in loaded):  # bench peers rows
         print(peers_table([row for d in loaded for row in d]))
+        return
+    if all(isinstance(d, dict) and d.get("rows") and "allocation" in d["rows"][0] for d in loaded):  # codec_allocation
+        print(allocation_table([row for d in loaded for row in d["rows"]]))
         return
     if all(isinstance(d, dict) and "rows" in d for d in loaded):  # oracle sweep rows
         print(oracle_table([row for d in loaded for row in d["rows"]]))

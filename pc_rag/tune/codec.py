@@ -20,7 +20,7 @@ from pc_rag.rag.modes import MODES
 
 DEFAULT_PASSAGES = 200
 # Where each level's step is spent (CacheGen's layer-wise quantization), chosen on the tuning split (HotpotQA
-# questions 340-355) with examples/codec_allocation.py, whose JSON is examples/results/codec_allocation.json.
+# questions 340-355) with examples/codec_allocation.py, whose JSON is examples/results/codec_allocation*.json.
 # Doubling the steps of one sixth of the layers raised the default mode's first-token KL by about
 # 0.033 / 0.085 / 0.005 / 0.003 / 0.007 / 0.001 (first sixth to last); the factors go as 1/sqrt of that,
 # normalised to keep the size and capped to [0.35, 2]. The layers the default mode's deviation probe reads
