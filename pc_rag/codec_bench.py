@@ -9,8 +9,7 @@ encode and decode throughput in tokens/s, decoding one chunk after another and o
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -21,6 +20,7 @@ from pc_rag.codec import CacheGenCodec
 from pc_rag.codec.quantize import quantize
 from pc_rag.rag.engine import RagEngine
 from pc_rag.sample import sample_questions
+from pc_rag.timing import timed_runs
 
 MODE = "default"
 ZSTD_LEVEL = 19
@@ -55,10 +55,10 @@ def codec_benchmark(
     for level in sorted(codec.tables.levels):
         blobs = [codec.encode(s, level) for s in spans]
         rans_bytes, zstd_bytes = _symbol_bytes(codec, spans, level)
-        encode_s = _best(lambda level=level: [codec.encode(s, level) for s in spans], repeats)
-        serial_s = _best(lambda blobs=blobs: [codec.decode(b) for b in blobs], repeats)
+        encode_s = min(timed_runs(lambda level=level: [codec.encode(s, level) for s in spans], repeats))
+        serial_s = min(timed_runs(lambda blobs=blobs: [codec.decode(b) for b in blobs], repeats))
         with ThreadPoolExecutor(workers) as pool:
-            parallel_s = _best(lambda blobs=blobs: list(pool.map(codec.decode, blobs)), repeats)
+            parallel_s = min(timed_runs(lambda blobs=blobs: list(pool.map(codec.decode, blobs)), repeats))
         row = CodecRow(
             f"cachegen:{level}", len(spans), tokens, sum(map(len, blobs)) / tokens, rans_bytes / tokens,
             zstd_bytes / tokens, tokens / encode_s, tokens / serial_s, tokens / parallel_s, workers,
@@ -78,16 +78,6 @@ def _symbol_bytes(codec: CacheGenCodec, spans: Sequence, level: int) -> tuple[in
         lanes = q.symbols.transpose(3, 4).contiguous().numpy()  # each lane's symbols together, as rANS codes them
         zstd_bytes += len(compressor.compress(lanes.tobytes()))
     return rans_bytes, zstd_bytes
-
-
-def _best(run: Callable[[], object], repeats: int) -> float:
-    run()
-    times = []
-    for _ in range(repeats):
-        began = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - began)
-    return min(times)
 
 
 def format_rows(rows: Sequence[CodecRow]) -> str:

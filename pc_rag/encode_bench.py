@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import statistics
 import tempfile
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -21,6 +20,7 @@ from pc_rag.errors import PCRagError
 from pc_rag.rag import RagEngine
 from pc_rag.rag.engine import ENCODE_BATCH
 from pc_rag.sample import sample_questions
+from pc_rag.timing import timed_runs
 
 CHUNK_TOKENS = 256
 
@@ -83,13 +83,7 @@ def _store_add(engine: RagEngine, texts: list[str], embedder: object | None) -> 
 
 
 def _rate(run: Callable[[], object], tokens: int, runs: int) -> float:
-    run()  # warm-up: first-touch allocations, embedder load
-    seconds = []
-    for _ in range(runs):
-        start = time.perf_counter()
-        run()
-        seconds.append(time.perf_counter() - start)
-    return tokens / statistics.median(seconds)
+    return tokens / statistics.median(timed_runs(run, runs))  # after a warm-up: first-touch allocations, embedder
 
 
 def format_rows(rows: Sequence[EncodeRow]) -> str:

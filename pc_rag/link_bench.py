@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from math import inf
 
@@ -25,6 +25,7 @@ from pc_rag.kv import SpanKV
 from pc_rag.rag.engine import Chunk, RagEngine
 from pc_rag.sample import sample_questions
 from pc_rag.store.loader import RAW, TEXT, AdaptiveLoader, Throttled
+from pc_rag.timing import timed_runs
 
 MODE = "default"
 
@@ -159,19 +160,9 @@ def _costs(engine: RagEngine, codec: CacheGenCodec, chunk: Chunk) -> tuple[float
     """Seconds per token to decode the best level and to recompute a chunk, measured on one chunk (the best of
     three, after a first call that compiles and warms up)."""
     blob = codec.encode(chunk.kv, max(codec.tables.levels))
-    decode = _best_seconds(lambda: codec.decode(blob))
-    recompute = _best_seconds(lambda: engine.encode_token_ids([list(chunk.token_ids)], chunk.conditioned))
+    decode = min(timed_runs(lambda: codec.decode(blob), 3))
+    recompute = min(timed_runs(lambda: engine.encode_token_ids([list(chunk.token_ids)], chunk.conditioned), 3))
     return decode / len(chunk.token_ids), recompute / len(chunk.token_ids)
-
-
-def _best_seconds(run: Callable[[], object], repeats: int = 3) -> float:
-    run()
-    times = []
-    for _ in range(repeats):
-        began = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - began)
-    return min(times)
 
 
 def format_rows(rows: Sequence[LinkRow]) -> str:
