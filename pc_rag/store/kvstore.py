@@ -178,6 +178,11 @@ class KVStore:
 
         From a compressed shard: at ``level`` (default: the store's ``level``, else the best the chunk has).
         """
+        where, span = self._lookup(chunk_id, level)
+        return span if span is not None else self._load(chunk_id, *where)
+
+    def _lookup(self, chunk_id: int, level: int | None) -> tuple[tuple[str, ShardRecord, Any], SpanKV | None]:
+        """Where ``chunk_id`` is (shard name, record, LRU key) and its span if the LRU holds it."""
         with self._lock:
             name = self._where.get(chunk_id)
             if name is None:
@@ -185,9 +190,10 @@ class KVStore:
                 raise KeyError(msg)
             record = self.manifest.shards[name]
             key = (chunk_id, self._level_of(record, chunk_id, level)) if record.codec else chunk_id
-            span = self._lru.get(key)
-            if span is not None:
-                return span
+            return (name, record, key), self._lru.get(key)
+
+    def _load(self, chunk_id: int, name: str, record: ShardRecord, key: Any) -> SpanKV:
+        """Read (and decode) ``chunk_id`` from shard ``name`` and keep it in the LRU under ``key``."""
         if record.codec:
             span = self._decode(name, record, *key)
         else:
@@ -218,11 +224,22 @@ class KVStore:
         """``get`` for each id, in order; chunks that are not in the LRU are read and decoded on as many threads
         as torch uses (decoding releases the GIL)."""
         chunk_ids = list(chunk_ids)
-        workers = min(len(chunk_ids), torch.get_num_threads())
+        found = [self._lookup(cid, None) for cid in chunk_ids]
+        misses = [i for i, (_, span) in enumerate(found) if span is None]
+        workers = min(len(misses), torch.get_num_threads())
+
+        def load(i: int) -> SpanKV:
+            return self._load(chunk_ids[i], *found[i][0])
+
         if workers <= 1:
-            return [self.get(cid) for cid in chunk_ids]
-        with ThreadPoolExecutor(workers, thread_name_prefix="pc-rag-kv") as pool:
-            return list(pool.map(self.get, chunk_ids))
+            loaded = map(load, misses)
+        else:
+            with ThreadPoolExecutor(workers, thread_name_prefix="pc-rag-kv") as pool:
+                loaded = list(pool.map(load, misses))
+        spans = [span for _, span in found]
+        for i, span in zip(misses, loaded, strict=True):
+            spans[i] = span
+        return spans
 
     def delete(self, chunk_ids: Iterable[int]) -> int:
         """Mark ``chunk_ids`` dead (unknown ids are ignored); return how many were deleted."""
