@@ -212,6 +212,14 @@ def oracle_table(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
+BENCH_TABLES: dict[str, Callable[[list[Row]], str]] = {  # else: bench peers
+    "path": encode_table,
+    "disk_bytes_per_token": memory_table,
+    "rans_bytes_per_token": codec_table,
+    "bandwidth_bits_per_s": link_table,
+}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("json", type=Path, nargs="+", help="`pc-rag eval --json` files (their rows are joined)")
@@ -219,26 +227,14 @@ def main() -> None:
     parser.add_argument("--columns", default=DEFAULT, help=f"comma-separated, of {', '.join(COLUMNS)}")
     args = parser.parse_args()
     loaded = [json.loads(path.read_text(encoding="utf-8")) for path in args.json]
-    if all(isinstance(d, list) and d and "path" in d[0] for d in loaded):  # bench encode rows
-        print(encode_table([row for d in loaded for row in d]))
+    if all(isinstance(d, list) and d for d in loaded):  # bench rows, told apart by a key only their kind has
+        rows = [row for d in loaded for row in d]
+        render = next((r for key, r in BENCH_TABLES.items() if all(key in d[0] for d in loaded)), peers_table)
+        print(render(rows))
         return
-    if all(isinstance(d, list) and d and "disk_bytes_per_token" in d[0] for d in loaded):  # bench memory rows
-        print(memory_table([row for d in loaded for row in d]))
-        return
-    if all(isinstance(d, list) and d and "rans_bytes_per_token" in d[0] for d in loaded):  # bench codec rows
-        print(codec_table([row for d in loaded for row in d]))
-        return
-    if all(isinstance(d, list) and d and "bandwidth_bits_per_s" in d[0] for d in loaded):  # bench link rows
-        print(link_table([row for d in loaded for row in d]))
-        return
-    if all(isinstance(d, list) for d in loaded):  # bench peers rows
-        print(peers_table([row for d in loaded for row in d]))
-        return
-    if all(isinstance(d, dict) and d.get("rows") and "allocation" in d["rows"][0] for d in loaded):  # codec_allocation
-        print(allocation_table([row for d in loaded for row in d["rows"]]))
-        return
-    if all(isinstance(d, dict) and "rows" in d for d in loaded):  # oracle sweep rows
-        print(oracle_table([row for d in loaded for row in d["rows"]]))
+    if all(isinstance(d, dict) and d.get("rows") for d in loaded):  # script rows: codec_allocation or oracle sweep
+        rows = [row for d in loaded for row in d["rows"]]
+        print(allocation_table(rows) if all("allocation" in d["rows"][0] for d in loaded) else oracle_table(rows))
         return
     rows = [row for d in loaded for row in d["results"]]
     print(table(rows, args.dataset, [c.strip() for c in args.columns.split(",")]))
