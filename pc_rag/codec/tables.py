@@ -122,12 +122,12 @@ def fit_tables(
     """
     if not samples:
         raise CodecError("fitting CacheGen tables needs at least one sample module")
+    layers = samples[0][0].shape[0]
+    if allocation is not None and (allocation.shape != (2, layers) or not bool((allocation > 0).all())):
+        raise CodecError(f"an allocation is [2, {layers}] positive steps, got {tuple(allocation.shape)}")
     kv = [torch.stack([k, v]).float() for k, v in samples]  # [2, L, H, S, D] each
     transform = _fit_transform(kv)
     if allocation is not None:
-        if allocation.shape != transform.anchored.shape or not bool((allocation > 0).all()):
-            msg = f"an allocation is [2, {transform.anchored.shape[1]}] positive steps, got {tuple(allocation.shape)}"
-            raise CodecError(msg)
         transform.allocation = allocation.float().contiguous()
     freq, fitted = {}, {}
     for lv in levels:
