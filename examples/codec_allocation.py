@@ -9,7 +9,8 @@ them at each step (no entropy coding: the size is the ideal one, each lane's emp
 the questions' symbols, so it compares allocations, not the coder) and the mode answers; KL is
 KL(uncompressed || quantized) of the first token. Allocations: ``uniform`` (one step everywhere),
 ``probe`` (only the default mode's probe layers finer), ``probe+sixth:G`` (``probe`` with the steps of
-sixth G of the layers doubled: the sensitivity scan) and ``tuned`` (``pc_rag.tune.codec.allocation``).
+sixth G of the layers doubled: the sensitivity scan), ``tuned`` (``pc_rag.tune.codec.allocation``) and
+``tuned*keys:F`` / ``tuned*values:F`` (``tuned`` with the keys' or the values' steps times F).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from pathlib import Path
 import torch
 
 from pc_rag.codec import CodecTables
-from pc_rag.codec.quantize import Transform, dequantize, quantize
+from pc_rag.codec.quantize import dequantize, quantize
 from pc_rag.eval.datasets import load_examples, tuning_split
 from pc_rag.eval.metrics import first_token_kl
 from pc_rag.kv import SpanKV
@@ -40,6 +41,11 @@ def named_allocation(name: str, layers: int) -> torch.Tensor:
     """The [2, L] step factors called ``name`` (see the module docstring)."""
     if name == "tuned":
         return allocation(layers)
+    if name.startswith(("tuned*keys:", "tuned*values:")):
+        kind, factor = name.removeprefix("tuned*").split(":")
+        out = allocation(layers)
+        out[0 if kind == "keys" else 1] *= float(factor)
+        return out
     out = torch.ones(2, layers)
     if name == "uniform":
         return out
@@ -71,11 +77,13 @@ def main() -> None:
     parser.add_argument("--mode", default="default")
     parser.add_argument("--steps", default="0.7,1.0", help="comma-separated level steps (x each head's RMS)")
     parser.add_argument("--allocations", default=",".join(DEFAULT_ALLOCATIONS))
+    parser.add_argument("--tables", type=Path, default=None, help="CacheGen tables (default: the model's shipped ones)")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     lm = load_model()
     engine = RagEngine(lm, RagPrompt.longbench())
-    base = CodecTables.load(find_codec_tables(lm.fingerprint())).transform
+    tables = CodecTables.load(args.tables or find_codec_tables(lm.fingerprint()))
+    base = tables.transform
     examples = [e for e in tuning_split(load_examples(args.dataset)) if e.index >= args.first][: args.questions]
     cases = []
     for e in examples:
@@ -86,7 +94,7 @@ def main() -> None:
     layers, rows = base.rms.shape[1], []
     for name in args.allocations.split(","):
         weights = named_allocation(name, layers)
-        transform = Transform(base.mean, base.basis, base.rms, base.anchored, weights)
+        transform = replace(base, allocation=weights)
         for step in (float(s) for s in args.steps.split(",")):
             kls, symbols, tokens = [], [], 0
             for question, chunks, reference in cases:
@@ -110,6 +118,7 @@ def main() -> None:
             "first": args.first,
             "mode": args.mode,
             "factors": allocation(layers).tolist(),
+            "tables": tables.digest,
         }
         args.json.write_text(json.dumps({"config": config, "rows": rows}, indent=1) + "\n", encoding="utf-8")
 
