@@ -1,7 +1,8 @@
 """Transform quantization of one chunk's KV (CacheGen sections 5.1-5.2, adapted to what this model's KV shows).
 
 Each head's vectors are centred and turned into their principal axes (``Transform``, fitted per
-(keys|values, layer, head) on a sample), then quantized with one uniform step per head: ``step`` times
+(keys|values, layer, head) on a sample; in the metric of what an error costs the model, if the tables
+were fitted with one: then the axes are not orthonormal and ``synthesis`` inverts them), then quantized with one uniform step per head: ``step`` times
 the head's RMS times its layer's ``allocation`` for keys or values (CacheGen's layer-wise
 quantization, with the weights chosen by what the model's answers are sensitive to). Within a head,
 in the transform domain, a uniform step is the MSE-optimal allocation (components with little
@@ -22,22 +23,29 @@ GROUP_TOKENS = 10
 
 @dataclass
 class Transform:
-    """Per keys/values, layer and head: ``mean`` [2, L, H, D], orthonormal ``basis`` [2, L, H, D, D] (columns),
-    ``rms`` [2, L, H]; ``anchored`` [2, L] bool; ``allocation`` [2, L], each layer's keys' and values' step in
-    units of the level's (None: 1 everywhere)."""
+    """Per keys/values, layer and head: ``mean`` [2, L, H, D], analysis ``basis`` [2, L, H, D, D] (columns: the
+    coefficients are ``(x - mean) @ basis``), ``rms`` [2, L, H] of the coefficients; ``anchored`` [2, L] bool;
+    ``allocation`` [2, L], each layer's keys' and values' step in units of the level's (None: 1 everywhere);
+    ``synthesis`` [2, L, H, D, D], the inverse of ``basis`` (None: ``basis`` is orthonormal, its transpose)."""
 
     mean: torch.Tensor
     basis: torch.Tensor
     rms: torch.Tensor
     anchored: torch.Tensor
     allocation: torch.Tensor | None = None
+    synthesis: torch.Tensor | None = None
+
+    @property
+    def inverse_basis(self) -> torch.Tensor:
+        """[2, L, H, D, D]: ``x = mean + c @ inverse_basis``."""
+        return self.basis.transpose(-1, -2) if self.synthesis is None else self.synthesis
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Coefficients [2, L, H, S, D] of KV ``x`` [2, L, H, S, D]."""
         return torch.matmul(x - self.mean[:, :, :, None], self.basis)
 
     def inverse(self, c: torch.Tensor) -> torch.Tensor:
-        return torch.matmul(c, self.basis.transpose(-1, -2)).add_(self.mean[:, :, :, None])
+        return torch.matmul(c, self.inverse_basis).add_(self.mean[:, :, :, None])
 
     def steps(self, step: float) -> torch.Tensor:
         """Per-head quantization steps [2, L, H, 1, 1]."""
@@ -103,7 +111,7 @@ def reconstruct(c: torch.Tensor, raw: torch.Tensor, transform: Transform, raw_va
     out = torch.baddbmm(
         transform.mean.reshape(batch, 1, dim),
         c.reshape(batch, dim, length).transpose(1, 2),
-        transform.basis.reshape(batch, dim, dim).transpose(1, 2),
+        transform.inverse_basis.reshape(batch, dim, dim),
     ).view(kinds, layers, heads, length, dim)
     out[:, :, :, raw] = raw_values  # as given, not through the transform's rounding
     return out

@@ -30,6 +30,7 @@ from pc_rag.errors import CodecCorruptedError, CodecError
 
 TABLE_FORMAT = "pc-rag-cachegen-tables/1"
 _SYMBOL_MARGIN = 4  # steps beyond the largest symbol seen in fitting that a level can still code
+METRIC_FLOOR = 1e-2  # a metric's eigenvalues are floored at this x their mean: no direction is free
 
 
 @dataclass
@@ -88,8 +89,9 @@ class CodecTables:
             info = json.loads(meta["json"])
             levels = {int(n): Level(int(n), float(d["step"]), int(d["limit"])) for n, d in info["levels"].items()}
             transform = Transform(
-                tensors["mean"], tensors["basis"], tensors["rms"], tensors["anchored"], tensors.get("allocation")
-            )
+                tensors["mean"], tensors["basis"], tensors["rms"], tensors["anchored"], tensors.get("allocation"),
+                tensors.get("synthesis"),
+            )  # fmt: skip
             tables = cls(info["fingerprint"], transform, levels, {n: tensors[f"level{n}.freq"] for n in levels})
         except (KeyError, TypeError, ValueError) as e:
             raise CodecCorruptedError(f"CacheGen tables {path} are malformed: {e!r}") from e
@@ -106,16 +108,19 @@ class CodecTables:
         tensors = {"mean": t.mean, "basis": t.basis, "rms": t.rms, "anchored": t.anchored}
         if t.allocation is not None:  # tables fitted before allocations existed keep their digest
             tensors["allocation"] = t.allocation
+        if t.synthesis is not None:  # as do tables fitted without a metric
+            tensors["synthesis"] = t.synthesis
         tensors.update({f"level{n}.freq": self.freq[n] for n in self.levels})
         return {name: tensor.contiguous() for name, tensor in tensors.items()}
 
 
 def fit_tables(
     samples: Sequence[tuple[torch.Tensor, torch.Tensor]], fingerprint: str, levels: Iterable[Level] = LEVELS.values(),
-    allocation: torch.Tensor | None = None,
+    allocation: torch.Tensor | None = None, metric: torch.Tensor | None = None,
 ) -> CodecTables:  # fmt: skip
     """Fit tables on ``samples`` of (keys, values) [L, H, S, D], keys as stored (after RoPE), with steps spent
-    by ``allocation`` [2, L] (``Transform``; None: the same step everywhere).
+    by ``allocation`` [2, L] (``Transform``; None: the same step everywhere) and errors measured in ``metric``
+    [2, L, H, D, D] (``fit_transform``).
 
     Counts start at one, so every symbol in a level's range stays codable; a level's range is what the
     sample needed plus a margin (tokens beyond it are kept exactly).
@@ -125,8 +130,11 @@ def fit_tables(
     layers = samples[0][0].shape[0]
     if allocation is not None and (allocation.shape != (2, layers) or not bool((allocation > 0).all())):
         raise CodecError(f"an allocation is [2, {layers}] positive steps, got {tuple(allocation.shape)}")
+    _, heads, _, dim = samples[0][0].shape
+    if metric is not None and metric.shape != (2, layers, heads, dim, dim):
+        raise CodecError(f"a metric is [2, {layers}, {heads}, {dim}, {dim}], got {tuple(metric.shape)}")
     kv = [torch.stack([k, v]).float() for k, v in samples]  # [2, L, H, S, D] each
-    transform = _fit_transform(kv)
+    transform = fit_transform(kv, metric)
     if allocation is not None:
         transform.allocation = allocation.float().contiguous()
     freq, fitted = {}, {}
@@ -139,19 +147,31 @@ def fit_tables(
     return CodecTables(fingerprint, transform, fitted, freq)
 
 
-def _fit_transform(kv: list[torch.Tensor]) -> Transform:
+def fit_transform(kv: list[torch.Tensor], metric: torch.Tensor | None = None) -> Transform:
     """Per head: mean, principal axes (largest variance first, signs fixed) and RMS; per layer: whether coding
-    deltas against group anchors leaves less variance than coding the centred coefficients."""
+    deltas against group anchors leaves less variance than coding the centred coefficients.
+
+    With a ``metric`` M [2, L, H, D, D] (symmetric, positive semi-definite: how much an error ``e`` costs is
+    ``e M e^T``), the axes are those of the vectors whitened by ``M^(1/2)``, so a uniform step spends bits
+    where errors cost; a floor of ``METRIC_FLOOR`` x M's mean eigenvalue keeps it invertible."""
     tokens = sum(x.shape[3] for x in kv)
     mean = sum(x.sum(dim=3) for x in kv) / tokens
     centred = [x - mean[:, :, :, None] for x in kv]
     cov = sum(torch.matmul(c.transpose(-1, -2), c) for c in centred).double() / tokens
+    root = inverse_root = None
+    if metric is not None:
+        root, inverse_root = _roots(metric.double())
+        cov = root @ cov @ root
     eigenvalues, basis = torch.linalg.eigh(cov)  # ascending
     eigenvalues, basis = eigenvalues.flip(-1), basis.flip(-1)
     signs = torch.sign(basis.gather(-2, basis.abs().argmax(dim=-2, keepdim=True)))
-    basis = (basis * signs).float().contiguous()
+    basis = basis * signs
     rms = eigenvalues.clamp(min=1e-12).mean(dim=-1).sqrt().float()
-    plain = Transform(mean, basis, rms, torch.zeros(mean.shape[:2], dtype=torch.bool))
+    synthesis = None
+    if root is not None:
+        basis, synthesis = root @ basis, (basis.transpose(-1, -2) @ inverse_root).float().contiguous()
+    plain = Transform(mean, basis.float().contiguous(), rms, torch.zeros(mean.shape[:2], dtype=torch.bool),
+                      synthesis=synthesis)  # fmt: skip
     alone = delta = torch.zeros(mean.shape[:2], dtype=torch.float64)
     for x in kv:
         c = plain.forward(x)[:, :, :, 1:]  # token 0 is kept exactly, in no group
@@ -162,6 +182,18 @@ def _fit_transform(kv: list[torch.Tensor]) -> Transform:
         delta = delta + (c - anchors)[:, :, :, follower].square().sum(dim=(2, 3, 4))
     plain.anchored = delta < alone
     return plain
+
+
+def _roots(metric: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``M^(1/2)`` and ``M^(-1/2)`` of each metric, its eigenvalues floored at ``METRIC_FLOOR`` x their mean."""
+    eigenvalues, vectors = torch.linalg.eigh((metric + metric.transpose(-1, -2)) / 2)
+    floor = METRIC_FLOOR * eigenvalues.clamp(min=0).mean(dim=-1, keepdim=True)
+    if not bool((floor > 0).all()):
+        raise CodecError("a metric has no positive eigenvalue: errors would cost nothing")
+    eigenvalues = eigenvalues.clamp(min=floor)
+    vectors_t = vectors.transpose(-1, -2)
+    root = (vectors * eigenvalues.sqrt()[..., None, :]) @ vectors_t
+    return root, (vectors * eigenvalues.rsqrt()[..., None, :]) @ vectors_t
 
 
 def _count(symbols: list[torch.Tensor], limit: int) -> torch.Tensor:

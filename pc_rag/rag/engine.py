@@ -134,6 +134,11 @@ class RagEngine:
         """The plain prompt: head, chunk tokens and question tokens, tokenized piecewise."""
         return self._full_ids(self._request(chunks, question))
 
+    def plain_ids(self, texts: Sequence[str], question: str) -> list[int]:
+        """``full_ids`` of the chunks of ``texts``, without encoding them."""
+        tail = self.tokenize(self.prompt.tail(self.wrappers, question))
+        return [*self.head_ids, *(t for text in texts for t in self.tokenize(text)), *tail]
+
     def answer(
         self,
         chunks: Sequence[Chunk],

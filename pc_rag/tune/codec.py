@@ -14,11 +14,13 @@ from tqdm import tqdm
 
 from pc_rag.codec import CodecTables, fit_tables
 from pc_rag.errors import PCRagError
-from pc_rag.eval.datasets import load_examples, tuning_split
+from pc_rag.eval.datasets import Example, load_examples, tuning_split
 from pc_rag.rag.engine import ENCODE_BATCH, RagEngine
 from pc_rag.rag.modes import MODES
+from pc_rag.tune.kv_metric import kv_metric
 
 DEFAULT_PASSAGES = 200
+METRIC_QUESTIONS = 8  # full prompts whose queries measure what a key's error costs (kv_metric)
 # Where each level's step is spent (CacheGen's layer-wise quantization), chosen on the tuning split (HotpotQA
 # questions 340-355) with examples/codec_allocation.py, whose JSON is examples/results/codec_allocation*.json.
 # Doubling the steps of one sixth of the layers raised the default mode's first-token KL by about
@@ -31,14 +33,28 @@ PROBE_LAYERS_STEP = 0.35
 
 
 def fit_codec(
-    engine: RagEngine, dataset: Path, passages: int = DEFAULT_PASSAGES, *, progress: bool = True
-) -> CodecTables:
-    """Tables fitted on the first ``passages`` passages of the tuning split in ``dataset``."""
+    engine: RagEngine, dataset: Path, passages: int = DEFAULT_PASSAGES, *, metric_questions: int = METRIC_QUESTIONS,
+    progress: bool = True,
+) -> CodecTables:  # fmt: skip
+    """Tables fitted on the first ``passages`` passages of the tuning split in ``dataset``, in the metric of the
+    model's attention (``kv_metric``) measured on the full prompts of its first ``metric_questions`` (0: none)."""
     split = tuning_split(load_examples(dataset))
-    texts = [engine.passage_text(i + 1, p.title, p.text) for e in split for i, p in enumerate(e.passages)][:passages]
+    texts = [t for e in split for t in _texts(engine, e)][:passages]
     if not texts:
         msg = f"{dataset} holds no passages of the tuning split to fit CacheGen tables on"
         raise PCRagError(msg)
+    samples = encode_samples(engine, texts, progress=progress)
+    metric = None
+    if metric_questions:
+        prompts = [engine.plain_ids(_texts(engine, e), e.question) for e in split[:metric_questions]]
+        metric = kv_metric(engine.lm, tqdm(prompts, desc="metric", unit="prompt", disable=not progress))
+    return fit_tables(samples, engine.lm.fingerprint(), allocation=allocation(samples[0][0].shape[0]), metric=metric)
+
+
+def encode_samples(
+    engine: RagEngine, texts: list[str], *, progress: bool = True
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(keys, values) of ``texts`` encoded alternately alone and after the preamble."""
     samples = []
     for start in tqdm(range(0, len(texts), ENCODE_BATCH), desc="encode", unit="batch", disable=not progress):
         batch = texts[start : start + ENCODE_BATCH]
@@ -47,7 +63,7 @@ def fit_codec(
             ids[1::2], conditioned=True
         )
         samples.extend((c.kv.keys, c.kv.values) for c in chunks)
-    return fit_tables(samples, engine.lm.fingerprint(), allocation=allocation(samples[0][0].shape[0]))
+    return samples
 
 
 def allocation(layers: int) -> torch.Tensor:
@@ -56,3 +72,7 @@ def allocation(layers: int) -> torch.Tensor:
     out = torch.tensor([DEPTH_STEPS[i * len(DEPTH_STEPS) // layers] for i in range(layers)]).repeat(2, 1)
     out[:, : MODES["default"].probe_layer + 1] = PROBE_LAYERS_STEP
     return out
+
+
+def _texts(engine: RagEngine, example: Example) -> list[str]:
+    return [engine.passage_text(i + 1, p.title, p.text) for i, p in enumerate(example.passages)]

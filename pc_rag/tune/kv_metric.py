@@ -1,0 +1,85 @@
+"""What an error in stored KV costs the model, per (keys|values, layer, KV head): the metric CacheGen's transform
+is fitted in (``pc_rag.codec.fit_tables``).
+
+Keys meet the model only through ``q . k``: an error ``e`` in a key costs ``sum over queries of (q . e)^2``, so
+the keys' metric is the second moment of the queries that read them (after RoPE, over the query heads sharing
+the KV head), measured in full prefills of real prompts. Values leave attention through ``o_proj``: an error
+``e`` costs ``|W_h e|^2`` for each query head ``h`` sharing the value, so their metric is the sum of
+``W_h^T W_h``. Both are normalised to a mean eigenvalue of one per head (only their shape matters).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
+
+import torch
+from transformers import AttentionInterface
+
+from pc_rag.attention import ATTENTION
+from pc_rag.model import LoadedModel
+
+
+def kv_metric(lm: LoadedModel, prompts: Iterable[Sequence[int]]) -> torch.Tensor:
+    """The metric [2, L, H_kv, D, D] of ``lm``'s keys (queries of full prefills of ``prompts``) and values."""
+    keys = query_moments(lm, prompts)
+    values = output_moments(lm)
+    return torch.stack([_normalised(keys), _normalised(values)])
+
+
+def query_moments(lm: LoadedModel, prompts: Iterable[Sequence[int]]) -> torch.Tensor:
+    """Per layer and KV head, the sum of ``q^T q`` [L, H_kv, D, D] over the queries (after RoPE) of the heads
+    that share it, in full prefills of ``prompts`` (token ids)."""
+    moments: dict[int, torch.Tensor] = {}
+
+    def record(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor) -> None:
+        batch, heads, length, dim = query.shape
+        grouped = query.detach().double().reshape(batch, key.shape[1], heads // key.shape[1] * length, dim)
+        moment = torch.einsum("bhqd,bhqe->hde", grouped, grouped)
+        moments[module.layer_idx] = moments.get(module.layer_idx, 0) + moment
+
+    with _recording_queries(record), torch.inference_mode():
+        for ids in prompts:
+            lm.model(torch.tensor([list(ids)], device=lm.device), use_cache=False)
+    if not moments:
+        raise ValueError("measuring the queries' moments needs at least one prompt")
+    return torch.stack([moments[i] for i in sorted(moments)]).cpu()
+
+
+def output_moments(lm: LoadedModel) -> torch.Tensor:
+    """Per layer and KV head, ``sum_h W_h^T W_h`` [L, H_kv, D, D] over the query heads ``h`` sharing it, ``W_h``
+    the columns of ``o_proj`` that head's output meets (read through the layer, so quantized weights work too)."""
+    config = lm.model.config
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    out = []
+    with torch.inference_mode():
+        for layer in lm.model.model.layers:
+            o_proj = layer.self_attn.o_proj
+            eye = torch.eye(heads * dim, device=lm.device, dtype=lm.dtype)
+            columns = (o_proj(eye) - o_proj(torch.zeros_like(eye[:1]))).double().cpu()  # row j: o_proj of e_j
+            per_head = columns.view(kv_heads, heads // kv_heads, dim, -1)
+            out.append(torch.einsum("grdo,greo->gde", per_head, per_head))
+    return torch.stack(out)
+
+
+def _normalised(moments: torch.Tensor) -> torch.Tensor:
+    """``moments`` [..., D, D] scaled to a mean eigenvalue (trace / D) of one each."""
+    trace = moments.diagonal(dim1=-2, dim2=-1).sum(-1)
+    return (moments * (moments.shape[-1] / trace)[..., None, None]).float()
+
+
+@contextmanager
+def _recording_queries(record: object) -> Iterator[None]:
+    """Within: the model's attention calls ``record(module, query, key)`` before attending."""
+    attend = AttentionInterface._global_mapping[ATTENTION]
+
+    def recording(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, *args: object, **kwargs: object):
+        record(module, query, key)
+        return attend(module, query, key, *args, **kwargs)
+
+    AttentionInterface.register(ATTENTION, recording)
+    try:
+        yield
+    finally:
+        AttentionInterface.register(ATTENTION, attend)
