@@ -63,9 +63,12 @@ def test_value_moments_are_those_of_the_output_projection(llama) -> None:
 def test_the_metric_is_normalised_and_the_model_is_left_as_it_was(llama) -> None:
     ids = list(range(3, 30))
     before = llama.model(torch.tensor([ids])).logits
-    metric = kv_metric(llama, [ids])
+    metric = kv_metric(llama, [ids], weigh_values=True)
     assert metric.shape == (2, 3, 2, 16, 16)
     torch.testing.assert_close(metric.diagonal(dim1=-2, dim2=-1).mean(-1), torch.ones(2, 3, 2))
+    keys_only = kv_metric(llama, [ids])
+    torch.testing.assert_close(keys_only[0], metric[0])
+    torch.testing.assert_close(keys_only[1], torch.eye(16).expand(3, 2, 16, 16))
     torch.testing.assert_close(llama.model(torch.tensor([ids])).logits, before)
 
 
