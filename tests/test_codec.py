@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+
 import pytest
 import torch
 
@@ -57,12 +59,41 @@ def test_every_coded_coefficient_is_within_half_a_step(tables: CodecTables, leng
     torch.testing.assert_close(out[:, :, :, exact], x[:, :, :, exact], atol=1e-4, rtol=1e-5)
 
 
-def test_tokens_beyond_the_symbol_range_are_kept_exactly(tables: CodecTables) -> None:
+@pytest.mark.parametrize("anchored", [False, True])
+def test_symbols_beyond_the_range_escape_and_decode_within_half_a_step(tables: CodecTables, anchored: bool) -> None:
+    t = tables.transform
+    transform = Transform(t.mean, t.basis, t.rms, torch.full_like(t.anchored, anchored))
     x = torch.stack(_kv(30, seed=4))
-    x[:, :, :, 17] *= 1000
+    x[:, :, :, 11] *= 40  # an anchor
+    x[:, :, :, 17] *= 40
+    q = quantize(x, transform, 0.5, 20)
+    assert q.raw.tolist() == [0] and int(q.symbols.abs().max()) <= 20
+    assert q.escapes.index.numel() > 0 and int(q.escapes.remainder.abs().min()) >= 1
+    out = dequantize(q, transform, 0.5, x[:, :, :, q.raw])
+    error = (transform.forward(out) - transform.forward(x)).abs()
+    assert bool((error <= 0.5 * transform.steps(0.5) + 1e-3).all())
+
+
+def test_tokens_beyond_what_an_escape_holds_are_kept_exactly(tables: CodecTables) -> None:
+    x = torch.stack(_kv(30, seed=4))
+    x[:, :, :, 17] *= 1e6
     q = quantize(x, tables.transform, 0.5, 20)
-    assert 17 in q.raw.tolist() and 0 in q.raw.tolist()
-    assert int(q.symbols.abs().max()) <= 20
+    assert q.raw.tolist() == [0, 17]
+    torch.testing.assert_close(dequantize(q, tables.transform, 0.5, x[:, :, :, q.raw])[:, :, :, 17], x[:, :, :, 17])
+
+
+def test_the_codec_carries_escapes(tables: CodecTables) -> None:
+    keys, values = _kv(40, seed=8)
+    keys[:, :, 23] *= 40
+    codec = CacheGenCodec(tables)
+    span = SpanKV(keys, values, torch.arange(40))
+    q = quantize(torch.stack([keys, values]), tables.transform, tables.level(2).step, tables.level(2).limit)
+    assert q.escapes.index.numel() > 0 and q.raw.tolist() == [0]
+    out = codec.decode(codec.encode(span, 2))
+    raw = torch.stack([keys, values])[:, :, :, q.raw].half().float()  # exact tokens are stored in float16
+    expected = dequantize(q, tables.transform, tables.level(2).step, raw)
+    torch.testing.assert_close(out.keys, expected[0], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(out.values, expected[1], atol=1e-4, rtol=1e-4)
 
 
 def test_anchored_layers_are_chosen_where_deltas_are_cheaper() -> None:
@@ -200,3 +231,46 @@ def test_an_allocation_scales_each_layers_keys_and_values_steps(tables: CodecTab
     assert again.digest == weighted.digest != tables.digest and torch.equal(again.transform.allocation, allocation)
     with pytest.raises(CodecError, match="allocation"):
         fit_tables(samples, "test-model", allocation=torch.ones(LAYERS))
+
+
+def test_chunks_of_format_1_without_escapes_still_decode(tables: CodecTables) -> None:
+    from pc_rag.codec import cachegen
+
+    keys, values = _kv(25, seed=12)
+    span = SpanKV(keys, values, torch.arange(3, 28))
+    blob = CacheGenCodec(tables).encode(span, 3)
+    fields = list(cachegen._HEADERS[2].unpack_from(blob))
+    assert fields[11] == 0 and tables.shared is None, "this span needs no escapes and no shared tokens"
+    del fields[11]
+    fields[1] = 1
+    refs = cachegen._HEADERS[2].size + 4 * fields[9]  # format 1 has no references to shared tokens
+    body = cachegen._HEADERS[1].pack(*fields) + blob[cachegen._HEADERS[2].size : refs] + blob[refs + fields[9] : -8]
+    old = body + hashlib.blake2b(body, digest_size=8).digest()
+    out, new = CacheGenCodec(tables).decode(old), CacheGenCodec(tables).decode(blob)
+    assert torch.equal(out.keys, new.keys) and torch.equal(out.values, new.values)
+    assert torch.equal(out.positions, span.positions)
+
+
+def test_a_first_token_every_chunk_shares_is_referenced_not_stored(tmp_path) -> None:
+    sink = torch.stack(_kv(1, seed=77))[:, :, :, 0]  # [2, L, H, D]: the same first token in every chunk
+
+    def chunk(length: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+        keys, values = _kv(length, seed)
+        keys[:, :, 0], values[:, :, 0] = sink[0], sink[1]
+        return keys, values
+
+    shared = fit_tables([chunk(64, seed) for seed in range(6)], "test-model")
+    assert shared.shared is not None and torch.equal(shared.shared[0], sink)
+    shared.save(tmp_path / "t.safetensors")
+    shared = CodecTables.load(tmp_path / "t.safetensors")
+    keys, values = chunk(30, seed=40)
+    span = SpanKV(keys, values, torch.arange(30))
+    plain = fit_tables([chunk(64, seed) for seed in range(6)][:1], "test-model")  # one sample: nothing shared
+    assert plain.shared is None
+    blob = CacheGenCodec(shared).encode(span, 3)
+    assert len(blob) < len(CacheGenCodec(plain).encode(span, 3)) - 2 * LAYERS * HEADS * DIM * 2 + 64
+    out = CacheGenCodec(shared).decode(blob)
+    assert torch.equal(out.keys[:, :, 0], sink[0]) and torch.equal(out.values[:, :, 0], sink[1])
+    other = CacheGenCodec(fit_tables([_kv(64, seed) for seed in range(6)], "test-model"))
+    with pytest.raises(CodecError, match="tables"):  # another table's digest: refused before any reference is read
+        other.decode(blob)

@@ -1,16 +1,16 @@
 """Transform quantization of one chunk's KV (CacheGen sections 5.1-5.2, adapted to what this model's KV shows).
 
-Each head's vectors are centred and turned into their principal axes (``Transform``, fitted per
-(keys|values, layer, head) on a sample; in the metric of what an error costs the model, if the tables
-were fitted with one: then the axes are not orthonormal and ``synthesis`` inverts them), then quantized with one uniform step per head: ``step`` times
-the head's RMS times its layer's ``allocation`` for keys or values (CacheGen's layer-wise
-quantization, with the weights chosen by what the model's answers are sensitive to). Within a head,
-in the transform domain, a uniform step is the MSE-optimal allocation (components with little
-variance cost almost nothing). Each chunk's first token (a sink of attention
-for the chunk's own tokens) is kept exactly ("raw"), as is any token whose symbols would leave
-``[-limit, limit]``. A layer may be ``anchored``: the other tokens form groups of ``GROUP_TOKENS`` and
-each but the group's first (its anchor) codes its difference from the reconstructed anchor
-(CacheGen's token-wise locality; fitting turns it on only where that leaves less variance)."""
+Each head's vectors are centred and turned into their principal axes (``Transform``, fitted per (keys|values,
+layer, head) on a sample; if the tables were fitted in a metric of what an error costs the model, the axes are
+those of the whitened vectors and ``synthesis`` inverts them), then quantized with one uniform step per head:
+``step`` times the head's RMS times its layer's ``allocation`` for keys or values (CacheGen's layer-wise
+quantization, with the weights chosen by what the model's answers are sensitive to). Within a head, in the
+transform domain, a uniform step is the MSE-optimal allocation (components with little variance cost almost
+nothing). Each chunk's first token (a sink of attention for the chunk's own tokens) is kept exactly ("raw").
+A symbol beyond ``[-limit, limit]`` is coded clamped and its remainder kept as an ``Escapes`` entry (a token
+needing more than ``ESCAPE_LIMIT`` is kept exactly). A layer may be ``anchored``: the other tokens form groups
+of ``GROUP_TOKENS`` and each but the group's first (its anchor) codes its difference from the reconstructed
+anchor (CacheGen's token-wise locality; fitting turns it on only where that leaves less variance)."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 GROUP_TOKENS = 10
+ESCAPE_LIMIT = 32767  # the largest remainder an escape holds (int16)
 
 
 @dataclass
@@ -54,11 +55,33 @@ class Transform:
 
 
 @dataclass
+class Escapes:
+    """Symbols beyond the coded range: at flat index ``lane * coded_tokens + token`` (lanes as the entropy coder
+    orders them: keys|values, layer, head, component), the ``remainder`` beyond the clamped symbol."""
+
+    index: torch.Tensor  # int64
+    remainder: torch.Tensor  # int16
+
+    @classmethod
+    def none(cls) -> Escapes:
+        return cls(torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.int16))
+
+    def add_to(self, lanes: torch.Tensor, columns: torch.Tensor, scale: torch.Tensor) -> None:
+        """Add each remainder times its lane's ``scale`` [lanes] to ``lanes`` [lanes, S] (in place), at the token
+        ``columns`` [coded tokens] of the coded tokens."""
+        if self.index.numel():
+            lane, token = self.index // columns.numel(), self.index % columns.numel()
+            lanes.index_put_((lane, columns[token]), self.remainder.float() * scale[lane], accumulate=True)
+
+
+@dataclass
 class Quantized:
-    """``symbols`` [2, L, H, S_coded, D] (int8 or wider) of the coded tokens; ``raw``: indices of the exact ones."""
+    """``symbols`` [2, L, H, S_coded, D] int8 of the coded tokens, clamped to the level's range, with their
+    ``escapes``; ``raw``: indices of the exact tokens."""
 
     symbols: torch.Tensor
     raw: torch.Tensor
+    escapes: Escapes
 
 
 def quantize(x: torch.Tensor, transform: Transform, step: float, limit: int) -> Quantized:
@@ -70,11 +93,16 @@ def quantize(x: torch.Tensor, transform: Transform, step: float, limit: int) -> 
     anchor_symbols = torch.round(anchors / steps)
     raw = torch.zeros(length, dtype=torch.bool)
     raw[0] = True
-    raw[1::GROUP_TOKENS] |= _outside(anchor_symbols, limit)
+    raw[1::GROUP_TOKENS] |= _outside(anchor_symbols, limit + ESCAPE_LIMIT)
     anchor_hat = torch.where(raw[1::GROUP_TOKENS, None], anchors, anchor_symbols * steps)
     symbols = torch.round((c - _prediction(anchor_hat, transform.anchored, length)) / steps)
-    raw |= _outside(symbols, limit)
-    return Quantized(symbols[:, :, :, ~raw].to(torch.int8), raw.nonzero().flatten())
+    raw |= _outside(symbols, limit + ESCAPE_LIMIT)
+    coded = symbols[:, :, :, ~raw]
+    clamped = coded.clamp(-limit, limit)
+    rest = (coded - clamped).transpose(3, 4).flatten()  # lane-major, as the entropy coder reads the symbols
+    index = rest.nonzero().flatten()
+    escapes = Escapes(index, rest[index].to(torch.int16))
+    return Quantized(clamped.to(torch.int8), raw.nonzero().flatten(), escapes)
 
 
 def dequantize(q: Quantized, transform: Transform, step: float, raw_values: torch.Tensor) -> torch.Tensor:
@@ -82,7 +110,10 @@ def dequantize(q: Quantized, transform: Transform, step: float, raw_values: torc
     kinds, layers, heads, coded, dim = q.symbols.shape
     length = coded + q.raw.numel()
     c = torch.empty(kinds, layers, heads, dim, length)
-    c[..., coded_columns(q.raw, length)] = (q.symbols.float() * transform.steps(step)).transpose(3, 4)
+    steps = transform.steps(step)
+    columns = coded_columns(q.raw, length)
+    c[..., columns] = (q.symbols.float() * steps).transpose(3, 4)
+    q.escapes.add_to(c.view(-1, length), columns, steps.expand(kinds, layers, heads, 1, dim).flatten())
     return reconstruct(c, q.raw, transform, raw_values)
 
 

@@ -30,6 +30,7 @@ from pc_rag.errors import CodecCorruptedError, CodecError
 
 TABLE_FORMAT = "pc-rag-cachegen-tables/1"
 _SYMBOL_MARGIN = 4  # steps beyond the largest symbol seen in fitting that a level can still code
+MAX_SHARED = 16  # shared first tokens kept in the tables
 METRIC_FLOOR = 1e-2  # a metric's eigenvalues are floored at this x their mean: no direction is free
 
 
@@ -41,6 +42,7 @@ class CodecTables:
     transform: Transform
     levels: dict[int, Level]
     freq: dict[int, torch.Tensor]
+    shared: torch.Tensor | None = None  # [n, 2, L, H, D]: first tokens many chunks share, referenced, not stored
     _coders: dict[int, SymbolCoder] = field(default_factory=dict, repr=False, compare=False)
 
     @property
@@ -92,7 +94,8 @@ class CodecTables:
                 tensors["mean"], tensors["basis"], tensors["rms"], tensors["anchored"], tensors.get("allocation"),
                 tensors.get("synthesis"),
             )  # fmt: skip
-            tables = cls(info["fingerprint"], transform, levels, {n: tensors[f"level{n}.freq"] for n in levels})
+            freq = {n: tensors[f"level{n}.freq"] for n in levels}
+            tables = cls(info["fingerprint"], transform, levels, freq, tensors.get("shared"))
         except (KeyError, TypeError, ValueError) as e:
             raise CodecCorruptedError(f"CacheGen tables {path} are malformed: {e!r}") from e
         if info.get("digest") != tables.digest:
@@ -110,6 +113,8 @@ class CodecTables:
             tensors["allocation"] = t.allocation
         if t.synthesis is not None:  # as do tables fitted without a metric
             tensors["synthesis"] = t.synthesis
+        if self.shared is not None:
+            tensors["shared"] = self.shared
         tensors.update({f"level{n}.freq": self.freq[n] for n in self.levels})
         return {name: tensor.contiguous() for name, tensor in tensors.items()}
 
@@ -144,7 +149,19 @@ def fit_tables(
         fitted[lv.number] = Level(lv.number, lv.step, limit)
         counts = _count([quantize(x, transform, lv.step, limit).symbols for x in kv], limit)
         freq[lv.number] = torch.from_numpy(rans.quantize_probabilities(counts.flatten(0, 3).numpy())).view(counts.shape)
-    return CodecTables(fingerprint, transform, fitted, freq)
+    return CodecTables(fingerprint, transform, fitted, freq, _shared_first_tokens(kv))
+
+
+def _shared_first_tokens(kv: list[torch.Tensor]) -> torch.Tensor | None:
+    """The first tokens [n, 2, L, H, D] that at least two samples start with, most common first (at most
+    ``MAX_SHARED``): chunks in one prompt format all start with the same token at the same position."""
+    counts: dict[bytes, tuple[int, torch.Tensor]] = {}
+    for x in kv:
+        first = x[:, :, :, 0].contiguous()
+        key = first.numpy().tobytes()
+        counts[key] = (counts.get(key, (0, first))[0] + 1, first)
+    common = sorted((c for c in counts.values() if c[0] >= 2), key=lambda c: -c[0])[:MAX_SHARED]
+    return torch.stack([first for _, first in common]) if common else None
 
 
 def fit_transform(kv: list[torch.Tensor], metric: torch.Tensor | None = None) -> Transform:
