@@ -309,8 +309,8 @@ def _add_eval_parser(commands: argparse._SubParsersAction) -> None:
                     "quality guard, e.g. `--dtype int4 eval --reference-dtype float32 "
                     "--modes full,selective:1.0,default`")  # fmt: skip
     ev.add_argument("--state", type=Path, default=None, help="resume file (default: the --json path + .partial.jsonl)")
-    ev.add_argument("--codec", default=None, metavar="cachegen[:LEVEL]",
-                    help="also run each mode over its chunks compressed at this CacheGen level (<mode>@cachegen:N "
+    ev.add_argument("--codec", default=None, metavar="cachegen[:LEVEL,...]",
+                    help="also run each mode over its chunks compressed at these CacheGen levels (<mode>@cachegen:N "
                     "rows, with codec_kl and codec_agreement against the uncompressed mode)")  # fmt: skip
 
 
@@ -338,7 +338,7 @@ def _run_eval(args: argparse.Namespace) -> int:
     if codec_levels:
         from pc_rag.eval.codec_modes import with_codec
 
-        modes = with_codec(modes, codec_levels[0])
+        modes = with_codec(modes, codec_levels)
     settings = list(dict.fromkeys(x.strip() for x in args.setting.split(",") if x.strip()))
     if not settings or set(settings) - {"closed", "open"}:
         msg = f"--setting takes closed, open or closed,open; got {args.setting!r}"
@@ -405,17 +405,17 @@ if __name__ == "__main__":
 
 
 def _codec_levels(spec: str | None) -> tuple[int, ...]:
-    """The one CacheGen level of ``eval --codec``; ``EvalError`` for other specs."""
-    from pc_rag.errors import EvalError, StoreError
+    """The CacheGen levels of ``eval --codec``; ``EvalError`` for other specs or undefined levels."""
+    from pc_rag.codec import level
+    from pc_rag.errors import CodecError, EvalError, StoreError
     from pc_rag.store.codec_setup import parse_codec
 
     try:
         levels = parse_codec(spec)
-    except StoreError as e:
+        for number in levels:
+            level(number)
+    except (StoreError, CodecError) as e:
         raise EvalError(str(e)) from e
-    if len(levels) > 1:
-        msg = f"eval --codec takes one level (cachegen:N), got {spec!r}"
-        raise EvalError(msg)
     return levels
 
 

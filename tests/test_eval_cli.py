@@ -56,7 +56,7 @@ def test_bad_json_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> No
         (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
         (["--modes", "full,turbo"], "unknown mode(s) 'turbo'; known modes: full, "),
         (["--json", "/nonexistent-dir/out.json"], "output directory does not exist"),
-        (["--codec", "cachegen:2,4"], "eval --codec takes one level"),
+        (["--codec", "cachegen:2,9"], "CacheGen level 9 is not defined"),
         (["--codec", "zstd"], "--codec takes raw, cachegen"),
     ],
 )

@@ -61,4 +61,5 @@ def test_compressed_modes_need_a_codec_and_a_numeric_level(engine) -> None:
         run_eval(engine, _examples(1), ["naive@cachegen:2"], progress=False)
     with pytest.raises(EvalError, match="must be a number"):
         split_codec_mode("naive@cachegen:x")
-    assert with_codec(["full", "default"], 4) == ["full", "default", "default@cachegen:4"]
+    assert with_codec(["full", "default"], [4]) == ["full", "default", "default@cachegen:4"]
+    assert with_codec(["naive", "full"], [2, 3]) == ["naive", "naive@cachegen:2", "naive@cachegen:3", "full"]

@@ -27,13 +27,13 @@ def split_codec_mode(mode: str) -> tuple[str, int | None]:
     return base, int(level)
 
 
-def with_codec(modes: Sequence[str], level: int) -> list[str]:
-    """``modes`` with each cached mode followed by its compressed twin at ``level`` (``full`` has none)."""
+def with_codec(modes: Sequence[str], levels: Sequence[int]) -> list[str]:
+    """``modes`` with each cached mode followed by its compressed twins at ``levels`` (``full`` has none)."""
     out = []
     for mode in modes:
         out.append(mode)
         if mode != "full":
-            out.append(f"{mode}{SEPARATOR}{level}")
+            out += [f"{mode}{SEPARATOR}{level}" for level in levels]
     return out
 
 
