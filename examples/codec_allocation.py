@@ -78,6 +78,7 @@ def main() -> None:
     parser.add_argument("--steps", default="0.7,1.0", help="comma-separated level steps (x each head's RMS)")
     parser.add_argument("--allocations", default=",".join(DEFAULT_ALLOCATIONS))
     parser.add_argument("--tables", type=Path, default=None, help="CacheGen tables (default: the model's shipped ones)")
+    parser.add_argument("--label", default=None, help="what the tables are, put on every row (default: their digest)")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     lm = load_model()
@@ -108,8 +109,9 @@ def main() -> None:
                     coded.append(replace(c, kv=SpanKV(y[0], y[1], c.kv.positions)))
                 logits = engine.answer(coded, question, args.mode, max_new_tokens=1).first_logits
                 kls.append(first_token_kl(reference, logits))
-            row = {"allocation": name, "step": step, "ideal_bytes_per_token": ideal_bytes(symbols) / tokens,
-                   "kl": sum(kls) / len(kls), "kl_max": max(kls), "questions": len(cases)}  # fmt: skip
+            row = {"tables": args.label or tables.digest, "allocation": name, "step": step,
+                   "ideal_bytes_per_token": ideal_bytes(symbols) / tokens, "kl": sum(kls) / len(kls),
+                   "kl_max": max(kls), "questions": len(cases)}  # fmt: skip
             rows.append(row)
             print(f"{name:<16} step {step:<5} {row['ideal_bytes_per_token']:>7,.0f} B/token  KL {row['kl']:.4f}")
     if args.json:
