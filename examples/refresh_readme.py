@@ -1,0 +1,68 @@
+"""Regenerate every README table that sits under a ``<!-- python examples/results_table.py ... -->`` marker.
+
+    python examples/refresh_readme.py [--check]
+
+Each marker's command is run and its output replaces the block below the marker: the table's ``|`` lines
+and, when the command also prints a note after a blank line (``bench link``), the old note paragraph.
+``--check`` changes nothing and exits 1 if a table is out of date.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+MARKER = re.compile(r"^<!-- (python examples/results_table\.py .+?) -->$")
+
+
+def rendered(command: str) -> list[str]:
+    out = subprocess.run([sys.executable, *shlex.split(command)[1:]], cwd=ROOT, capture_output=True, text=True,
+                         check=True).stdout  # fmt: skip
+    return out.rstrip("\n").split("\n")
+
+
+def old_block(lines: list[str], start: int, new: list[str]) -> int:
+    """The end (exclusive) of the block below a marker at ``start``: its table, and its note if ``new`` has one."""
+    end = start
+    while end < len(lines) and lines[end].startswith("|"):
+        end += 1
+    has_note = any(not line.startswith("|") for line in new)
+    if has_note and end + 1 < len(lines) and not lines[end].strip() and lines[end + 1].strip():
+        end += 1
+        while end < len(lines) and lines[end].strip():
+            end += 1
+    return end
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="only report tables that are out of date")
+    args = parser.parse_args()
+    readme = ROOT / "README.md"
+    lines = readme.read_text(encoding="utf-8").split("\n")
+    out, i, stale = [], 0, []
+    while i < len(lines):
+        out.append(lines[i])
+        match = MARKER.match(lines[i])
+        i += 1
+        if match:
+            new = rendered(match.group(1))
+            end = old_block(lines, i, new)
+            if lines[i:end] != new:
+                stale.append(match.group(1))
+            out += new
+            i = end
+    for command in stale:
+        print(f"{'stale' if args.check else 'refreshed'}: {command}")
+    if args.check:
+        sys.exit(1 if stale else 0)
+    readme.write_text("\n".join(out), encoding="utf-8")
+
+
+if __name__ == "__main__":
+    main()
