@@ -6,7 +6,8 @@ Questions come from the tuning split only (HotpotQA 340-355 by default: past the
 tables were fitted on), so the constants chosen from this (``pc_rag.tune.codec``) never see an evaluated
 question. Each question's passages are encoded for ``--mode``; each allocation quantizes and dequantizes
 them at each step (no entropy coding: the size is the ideal one, each lane's empirical entropy over all
-the questions' symbols, so it compares allocations, not the coder) and the mode answers; KL is
+the questions' symbols, so it compares allocations, not the coder; ``side_bytes_per_token`` adds what the
+tokens kept exactly beyond the first, in float16, and the escapes cost) and the mode answers; KL is
 KL(uncompressed || quantized) of the first token. Allocations: ``uniform`` (one step everywhere),
 ``probe`` (only the default mode's probe layers finer), ``probe+sixth:G`` (``probe`` with the steps of
 sixth G of the layers doubled: the sensitivity scan), ``tuned`` (``pc_rag.tune.codec.allocation``) and
@@ -97,7 +98,7 @@ def main() -> None:
         weights = named_allocation(name, layers)
         transform = replace(base, allocation=weights)
         for step in (float(s) for s in args.steps.split(",")):
-            kls, symbols, tokens = [], [], 0
+            kls, symbols, tokens, side = [], [], 0, 0
             for question, chunks, reference in cases:
                 coded = []
                 for c in chunks:
@@ -105,15 +106,18 @@ def main() -> None:
                     q = quantize(x, transform, step, 127)
                     symbols.append(q.symbols)
                     tokens += x.shape[3]
+                    side += (q.raw.numel() - 1) * x[:, :, :, 0].numel() * 2 + q.escapes.index.numel() * 6
                     y = dequantize(q, transform, step, x[:, :, :, q.raw].half())
                     coded.append(replace(c, kv=SpanKV(y[0], y[1], c.kv.positions)))
                 logits = engine.answer(coded, question, args.mode, max_new_tokens=1).first_logits
                 kls.append(first_token_kl(reference, logits))
             row = {"tables": args.label or tables.digest, "allocation": name, "step": step,
-                   "ideal_bytes_per_token": ideal_bytes(symbols) / tokens, "kl": sum(kls) / len(kls),
+                   "ideal_bytes_per_token": ideal_bytes(symbols) / tokens, "side_bytes_per_token": side / tokens,
+                   "kl": sum(kls) / len(kls),
                    "kl_max": max(kls), "questions": len(cases)}  # fmt: skip
             rows.append(row)
-            print(f"{name:<16} step {step:<5} {row['ideal_bytes_per_token']:>7,.0f} B/token  KL {row['kl']:.4f}")
+            print(f"{name:<16} step {step:<5} {row['ideal_bytes_per_token']:>7,.0f} B/token "
+                  f"(+{row['side_bytes_per_token']:,.0f} exact and escapes)  KL {row['kl']:.4f}")  # fmt: skip
     if args.json:
         config = {
             "dataset": str(args.dataset),

@@ -180,10 +180,12 @@ _ADAPTIVE = "cachegen:adaptive"
 def allocation_table(rows: list[Row]) -> str:
     """Markdown: one row per (allocation, step) of ``examples/codec_allocation.py``: ideal size, first-token KL."""
     labelled = any("tables" in r for r in rows)  # rows of several table files say which they used
-    lines = ["| " + "tables | " * labelled + "allocation | step | ideal B/token | KL(uncompressed‖quantized) | max KL "
-             "| questions |", "|---" * (6 + labelled) + "|"]  # fmt: skip
+    side = any("side_bytes_per_token" in r for r in rows)  # newer rows also count exact tokens and escapes
+    lines = ["| " + "tables | " * labelled + "allocation | step | ideal B/token | " + "+ exact, escapes | " * side
+             + "KL(uncompressed‖quantized) | max KL | questions |", "|---" * (6 + labelled + side) + "|"]  # fmt: skip
     for r in rows:
-        cells = [f"`{r['allocation']}`", f"{r['step']}", f"{r['ideal_bytes_per_token']:,.0f}", f"{r['kl']:.4f}",
+        extra = [_number("side_bytes_per_token", 0)(r)] * side
+        cells = [f"`{r['allocation']}`", f"{r['step']}", f"{r['ideal_bytes_per_token']:,.0f}", *extra, f"{r['kl']:.4f}",
                  f"{r['kl_max']:.4f}", str(r["questions"])]  # fmt: skip
         lines.append("| " + f"{r.get('tables', '')} | " * labelled + " | ".join(cells) + " |")
     return "\n".join(lines)
