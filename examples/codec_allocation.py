@@ -11,7 +11,8 @@ tokens kept exactly beyond the first, in float16, and the escapes cost) and the 
 KL(uncompressed || quantized) of the first token. Allocations: ``uniform`` (one step everywhere),
 ``probe`` (only the default mode's probe layers finer), ``probe+sixth:G`` (``probe`` with the steps of
 sixth G of the layers doubled: the sensitivity scan), ``tuned`` (``pc_rag.tune.codec.allocation``) and
-``tuned*keys:F`` / ``tuned*values:F`` (``tuned`` with the keys' or the values' steps times F).
+``tuned*keys:F`` / ``tuned*values:F`` / ``tuned*probe:F`` / ``tuned*probed:F`` (``tuned`` with the keys',
+the values', the probe layers' or only the probe layer's values' steps times F).
 """
 
 from __future__ import annotations
@@ -42,10 +43,16 @@ def named_allocation(name: str, layers: int) -> torch.Tensor:
     """The [2, L] step factors called ``name`` (see the module docstring)."""
     if name == "tuned":
         return allocation(layers)
-    if name.startswith(("tuned*keys:", "tuned*values:")):
-        kind, factor = name.removeprefix("tuned*").split(":")
+    if name.startswith(("tuned*keys:", "tuned*values:", "tuned*probe:", "tuned*probed:")):
+        part, factor = name.removeprefix("tuned*").split(":")
         out = allocation(layers)
-        out[0 if kind == "keys" else 1] *= float(factor)
+        probe = MODES["default"].probe_layer
+        if part == "probe":
+            out[:, : probe + 1] *= float(factor)
+        elif part == "probed":  # the one thing the deviation probe reads from the cache: its layer's values
+            out[1, probe] *= float(factor)
+        else:
+            out[0 if part == "keys" else 1] *= float(factor)
         return out
     out = torch.ones(2, layers)
     if name == "uniform":
