@@ -30,6 +30,7 @@ from transformers.masking_utils import causal_mask_function, sdpa_mask
 from pc_rag.calibration import KWARG as SEGMENTS
 from pc_rag.calibration import Segments, calibrated_attention, trailing_rows_mask
 from pc_rag.probe import KWARG as PROBE
+from pc_rag.probe import QUERIES_KWARG as QUERIES_PROBE
 from pc_rag.probe import VALUES_KWARG as VALUES_PROBE
 
 ATTENTION = "pc_rag_sdpa"
@@ -150,6 +151,9 @@ def packed_gqa_attention(
     value_probe = kwargs.pop(VALUES_PROBE, None)
     if value_probe is not None:  # the deviation probe reads fresh values (and stops the forward at its layer)
         value_probe.capture(module.layer_idx, value)
+    query_probe = kwargs.pop(QUERIES_PROBE, None)
+    if query_probe is not None:  # the codec's key metric reads the queries (after RoPE)
+        query_probe.capture(module.layer_idx, query, key)
     if segments is not None or (torch.is_grad_enabled() and query.requires_grad):
         return _query_time(module, query, key, value, attention_mask, scaling, segments, **kwargs), None
     blocks = kwargs.pop("query_blocks", None)

@@ -41,6 +41,7 @@ class AttentionProbe:
 
 
 VALUES_KWARG = "pc_rag_value_probe"
+QUERIES_KWARG = "pc_rag_query_probe"  # an object whose ``capture(layer, query, key)`` sees each layer's queries
 
 
 class ValueProbe:

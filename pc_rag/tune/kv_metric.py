@@ -15,14 +15,12 @@ they are.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Iterable, Sequence
 
 import torch
-from transformers import AttentionInterface
 
-from pc_rag.attention import ATTENTION
 from pc_rag.model import LoadedModel
+from pc_rag.probe import QUERIES_KWARG
 
 
 def kv_metric(lm: LoadedModel, prompts: Iterable[Sequence[int]], *, weigh_values: bool = False) -> torch.Tensor:
@@ -35,21 +33,15 @@ def kv_metric(lm: LoadedModel, prompts: Iterable[Sequence[int]], *, weigh_values
 
 def query_moments(lm: LoadedModel, prompts: Iterable[Sequence[int]]) -> torch.Tensor:
     """Per layer and KV head, the sum of ``q^T q`` [L, H_kv, D, D] over the queries (after RoPE) of the heads
-    that share it, in full prefills of ``prompts`` (token ids)."""
-    moments: dict[int, torch.Tensor] = {}
-
-    def record(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor) -> None:
-        batch, heads, length, dim = query.shape
-        grouped = query.detach().double().reshape(batch, key.shape[1], heads // key.shape[1] * length, dim)
-        moment = torch.einsum("bhqd,bhqe->hde", grouped, grouped)
-        moments[module.layer_idx] = moments.get(module.layer_idx, 0) + moment
-
-    with _recording_queries(record), torch.inference_mode():
+    that share it, in full prefills of ``prompts`` (token ids; the decoder only, no logits)."""
+    moments = _QueryMoments()
+    with torch.inference_mode():
         for ids in prompts:
-            lm.model(torch.tensor([list(ids)], device=lm.device), use_cache=False)
-    if not moments:
+            input_ids = torch.tensor([list(ids)], device=lm.device)
+            lm.model.get_decoder()(input_ids=input_ids, use_cache=False, **{QUERIES_KWARG: moments})
+    if not moments.sums:
         raise ValueError("measuring the queries' moments needs at least one prompt")
-    return torch.stack([moments[i] for i in sorted(moments)]).cpu()
+    return torch.stack([moments.sums[i] for i in sorted(moments.sums)]).cpu()
 
 
 def output_moments(lm: LoadedModel) -> torch.Tensor:
@@ -59,10 +51,10 @@ def output_moments(lm: LoadedModel) -> torch.Tensor:
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
     dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     out = []
+    eye = torch.eye(heads * dim, device=lm.device, dtype=lm.dtype)
     with torch.inference_mode():
         for layer in lm.model.model.layers:
             o_proj = layer.self_attn.o_proj
-            eye = torch.eye(heads * dim, device=lm.device, dtype=lm.dtype)
             columns = (o_proj(eye) - o_proj(torch.zeros_like(eye[:1]))).double().cpu()  # row j: o_proj of e_j
             per_head = columns.view(kv_heads, heads // kv_heads, dim, -1)
             out.append(torch.einsum("grdo,greo->gde", per_head, per_head))
@@ -75,17 +67,13 @@ def _normalised(moments: torch.Tensor) -> torch.Tensor:
     return (moments * (moments.shape[-1] / trace)[..., None, None]).float()
 
 
-@contextmanager
-def _recording_queries(record: object) -> Iterator[None]:
-    """Within: the model's attention calls ``record(module, query, key)`` before attending."""
-    attend = AttentionInterface._global_mapping[ATTENTION]
+class _QueryMoments:
+    """Sums ``q^T q`` per layer and KV head; travels as the attention kwarg ``QUERIES_KWARG``."""
 
-    def recording(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, *args: object, **kwargs: object):
-        record(module, query, key)
-        return attend(module, query, key, *args, **kwargs)
+    def __init__(self) -> None:
+        self.sums: dict[int, torch.Tensor] = {}
 
-    AttentionInterface.register(ATTENTION, recording)
-    try:
-        yield
-    finally:
-        AttentionInterface.register(ATTENTION, attend)
+    def capture(self, layer: int, query: torch.Tensor, key: torch.Tensor) -> None:
+        batch, heads, length, dim = query.shape  # head h = g * n_rep + r shares KV head g
+        grouped = query.detach().double().reshape(batch, key.shape[1], heads // key.shape[1] * length, dim)
+        self.sums[layer] = self.sums.get(layer, 0) + torch.einsum("bhqd,bhqe->hde", grouped, grouped)
