@@ -62,10 +62,6 @@ class Escapes:
     index: torch.Tensor  # int64
     remainder: torch.Tensor  # int16
 
-    @classmethod
-    def none(cls) -> Escapes:
-        return cls(torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.int16))
-
     def add_to(self, lanes: torch.Tensor, columns: torch.Tensor, scale: torch.Tensor) -> None:
         """Add each remainder times its lane's ``scale`` [lanes] to ``lanes`` [lanes, S] (in place), at the token
         ``columns`` [coded tokens] of the coded tokens."""

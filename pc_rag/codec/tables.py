@@ -132,10 +132,9 @@ def fit_tables(
     """
     if not samples:
         raise CodecError("fitting CacheGen tables needs at least one sample module")
-    layers = samples[0][0].shape[0]
+    layers, heads, _, dim = samples[0][0].shape
     if allocation is not None and (allocation.shape != (2, layers) or not bool((allocation > 0).all())):
         raise CodecError(f"an allocation is [2, {layers}] positive steps, got {tuple(allocation.shape)}")
-    _, heads, _, dim = samples[0][0].shape
     if metric is not None and metric.shape != (2, layers, heads, dim, dim):
         raise CodecError(f"a metric is [2, {layers}, {heads}, {dim}, {dim}], got {tuple(metric.shape)}")
     kv = [torch.stack([k, v]).float() for k, v in samples]  # [2, L, H, S, D] each

@@ -136,8 +136,7 @@ class RagEngine:
 
     def plain_ids(self, texts: Sequence[str], question: str) -> list[int]:
         """``full_ids`` of the chunks of ``texts``, without encoding them."""
-        tail = self.tokenize(self.prompt.tail(self.wrappers, question))
-        return [*self.head_ids, *(t for text in texts for t in self.tokenize(text)), *tail]
+        return [*self.head_ids, *(t for text in texts for t in self.tokenize(text)), *self._tail_ids(question)]
 
     def answer(
         self,
@@ -198,8 +197,10 @@ class RagEngine:
         return ReplyStream(self._serve_full(ids, None, **kwargs))
 
     def _request(self, chunks: Sequence[Chunk], question: str) -> _Request:
-        tail = self.tokenize(self.prompt.tail(self.wrappers, question))
-        return _Request(self.head_ids, self.head_kv, tuple(chunks), tuple(tail))
+        return _Request(self.head_ids, self.head_kv, tuple(chunks), tuple(self._tail_ids(question)))
+
+    def _tail_ids(self, question: str) -> list[int]:
+        return self.tokenize(self.prompt.tail(self.wrappers, question))
 
     def _request_around(self, before: str, chunks: Sequence[Chunk], after: str) -> _Request:
         if before == self.prompt.preamble:
