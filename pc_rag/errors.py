@@ -124,3 +124,7 @@ class CodecError(PCRagError):
 
 class CodecCorruptedError(CodecError, StoreCorruptedError):
     """Compressed KV bytes fail their checksum or do not parse; names the chunk when known."""
+
+
+class KVPoolFullError(PCRagError):
+    """The shared KV pool has no run of free chunks for a segment, even after dropping every idle one."""

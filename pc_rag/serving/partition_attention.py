@@ -1,0 +1,94 @@
+"""ChunkAttention's two-phase partition attention for one decode step: KV that several sequences share is read once.
+
+A batch of B sequences decodes one token each. Every sequence attends to some shared runs of KV (a preamble,
+modules imported at the same positions: one copy in the shared pool, however many sequences read it) and to its
+private KV (its own prompt tokens and what it generated, rows of a padded ``[B, H_kv, P, D]`` arena).
+
+- Chunk-first: for each shared run, one pass of the queries of all the sequences that read it over its keys.
+- Sequence-first: one masked pass of every sequence over its own private keys.
+
+Each pass keeps every query's log-sum-exp, and the partial outputs are merged per sequence by it: the softmax
+over the union of a sequence's keys, without duplicating the shared ones. Attention does not depend on the
+order of its keys, so shared runs need not form a literal prefix. Query heads that share a KV head are folded
+into the query axis (head ``h = g * n_rep + r`` reads KV head ``g``). This module knows nothing about models or
+caches: it is handed tensors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from pc_rag.attention import FLASH_CPU
+
+
+@dataclass(frozen=True)
+class SharedRun:
+    """One layer's view of a run of shared KV and the batch rows that attend to it."""
+
+    keys: torch.Tensor  # [H_kv, S, D]
+    values: torch.Tensor  # [H_kv, S, D]
+    readers: torch.Tensor  # [n] long, distinct batch rows
+
+
+def partition_attention(
+    query: torch.Tensor,  # [B, H, D]: one new token per sequence, after RoPE
+    runs: Sequence[SharedRun],
+    private_keys: torch.Tensor,  # [B, H_kv, P, D]
+    private_values: torch.Tensor,  # [B, H_kv, P, D]
+    private_lengths: torch.Tensor,  # [B] long, each >= 1: row b's private keys are [:, :length]
+    scale: float,
+) -> torch.Tensor:  # [B, H, D]
+    """Each row's attention over its shared runs and its private keys; see the module docstring."""
+    batch, heads, dim = query.shape
+    kv_heads = private_keys.shape[1]
+    n_rep = heads // kv_heads
+    grouped = query.view(batch, kv_heads, n_rep, dim)
+    padding = torch.arange(private_keys.shape[2], device=query.device) >= private_lengths[:, None]  # [B, P]
+    mask = torch.zeros(padding.shape, dtype=query.dtype, device=query.device).masked_fill_(padding, float("-inf"))
+    out, lse = attend_with_lse(grouped, private_keys, private_values, mask[:, None, None, :], scale)
+    if not runs:
+        return out.reshape(batch, heads, dim)
+    outs, lses, rows = [out.float()], [lse.float()], [torch.arange(batch, device=query.device)]
+    for run in runs:
+        n = run.readers.shape[0]
+        q = grouped[run.readers].transpose(0, 1).reshape(1, kv_heads, n * n_rep, dim)
+        o, lse_run = attend_with_lse(q, run.keys[None], run.values[None], None, scale)
+        outs.append(o.view(kv_heads, n, n_rep, dim).transpose(0, 1).float())
+        lses.append(lse_run.view(kv_heads, n, n_rep).transpose(0, 1).float())
+        rows.append(run.readers)
+    return _merge(torch.cat(outs), torch.cat(lses), torch.cat(rows), batch).reshape(batch, heads, dim).to(query.dtype)
+
+
+def _merge(out: torch.Tensor, lse: torch.Tensor, rows: torch.Tensor, batch: int) -> torch.Tensor:
+    """Partial outputs ``out`` [T, H_kv, n_rep, D] with their ``lse`` [T, H_kv, n_rep], part t of row ``rows[t]``,
+    merged into [B, H_kv, n_rep, D]: each part weighted by its share of its row's softmax mass."""
+    index = rows.view(-1, *(1,) * (lse.dim() - 1)).expand_as(lse)
+    top = torch.full((batch, *lse.shape[1:]), float("-inf"), device=lse.device).scatter_reduce_(0, index, lse, "amax")
+    weight = torch.exp(lse - top[rows])
+    total = torch.zeros_like(top).index_add_(0, rows, weight)
+    merged = torch.zeros((batch, *out.shape[1:]), device=out.device).index_add_(0, rows, out * weight[..., None])
+    return merged / total[..., None]
+
+
+def attend_with_lse(
+    query: torch.Tensor,  # [B, H_kv, Q, D]
+    keys: torch.Tensor,  # [B, H_kv, S, D]
+    values: torch.Tensor,  # [B, H_kv, S, D]
+    mask: torch.Tensor | None,  # additive, broadcast to [B, H_kv, Q, S], or None
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention output [B, H_kv, Q, D] and each query's log-sum-exp of its scores [B, H_kv, Q].
+
+    On the CPU the fused flash kernel (one pass, never a [Q, S] score matrix per head in memory); elsewhere
+    matmuls and a softmax, which a GPU runs well at decode sizes."""
+    if FLASH_CPU is not None and query.device.type == "cpu":
+        return FLASH_CPU(query, keys, values, attn_mask=mask, scale=scale)
+    scores = torch.matmul(query.float(), keys.float().transpose(-1, -2)) * scale
+    if mask is not None:
+        scores = scores + mask
+    lse = torch.logsumexp(scores, dim=-1)
+    out = torch.matmul(torch.exp(scores - lse[..., None]), values.float())
+    return out.to(query.dtype), lse

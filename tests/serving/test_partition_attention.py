@@ -1,0 +1,81 @@
+"""Two-phase partition attention equals SDPA over each sequence's keys duplicated in full, for any sharing."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pc_rag.serving import SharedRun, partition_attention
+
+module = importlib.import_module("pc_rag.serving.partition_attention")
+
+
+def _reference(query, runs, private_keys, private_values, lengths, scale):
+    """Per row: its runs' keys and its private keys concatenated (the duplicated KV), then SDPA."""
+    kv_heads = private_keys.shape[1]
+    out = []
+    for b in range(query.shape[0]):
+        mine = [r for r in runs if b in r.readers.tolist()]
+        keys = torch.cat([r.keys for r in mine] + [private_keys[b, :, : lengths[b]]], dim=1)
+        values = torch.cat([r.values for r in mine] + [private_values[b, :, : lengths[b]]], dim=1)
+        q = query[b][None, :, None]  # [1, H, 1, D]
+        o = F.scaled_dot_product_attention(q, keys[None], values[None], scale=scale, enable_gqa=kv_heads > 1)
+        out.append(o[0, :, 0])
+    return torch.stack(out)
+
+
+def _case(seed: int, batch: int, sharing: list[list[bool]], heads=6, kv_heads=2, dim=16, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    query = torch.randn(batch, heads, dim, generator=g)
+    runs = []
+    for readers in sharing:
+        rows = [b for b, reads in enumerate(readers[:batch]) if reads]
+        if rows:
+            length = int(torch.randint(1, 40, (1,), generator=g))
+            pool = torch.randn(2, kv_heads, length + 7, dim, generator=g)  # a view inside a larger pool
+            runs.append(SharedRun(pool[0, :, 3 : 3 + length], pool[1, :, 3 : 3 + length], torch.tensor(rows)))
+    lengths = torch.randint(1, 12, (batch,), generator=g)
+    private = torch.randn(2, batch, kv_heads, 12, dim, generator=g)
+    moved = [SharedRun(r.keys.to(device), r.values.to(device), r.readers.to(device)) for r in runs]
+    args = (query.to(device), moved, private[0].to(device), private[1].to(device), lengths.to(device), dim**-0.5)
+    return args, (query, runs, private[0], private[1], lengths, dim**-0.5)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    seed=st.integers(0, 2**16),
+    batch=st.integers(1, 6),
+    sharing=st.lists(st.lists(st.booleans(), min_size=6, max_size=6), max_size=5),
+)
+def test_equals_sdpa_over_duplicated_kv_for_any_sharing(seed, batch, sharing):
+    args, reference = _case(seed, batch, sharing)
+    torch.testing.assert_close(partition_attention(*args), _reference(*reference), rtol=1e-5, atol=1e-5)
+
+
+def test_without_the_fused_kernel_the_matmul_path_agrees(monkeypatch):
+    args, reference = _case(3, 5, [[True] * 6, [True, False, True, False, True, False], [False, True] * 3])
+    fused = partition_attention(*args)
+    monkeypatch.setattr(module, "FLASH_CPU", None)
+    torch.testing.assert_close(partition_attention(*args), fused, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(partition_attention(*args), _reference(*reference), rtol=1e-5, atol=1e-5)
+
+
+def test_one_query_head_per_kv_head_and_bfloat16():
+    args, reference = _case(7, 4, [[True] * 6], heads=2, kv_heads=2)
+    torch.testing.assert_close(partition_attention(*args), _reference(*reference), rtol=1e-5, atol=1e-5)
+    query, runs, keys, values, lengths, scale = args
+    low = [SharedRun(r.keys.bfloat16(), r.values.bfloat16(), r.readers) for r in runs]
+    out = partition_attention(query.bfloat16(), low, keys.bfloat16(), values.bfloat16(), lengths, scale)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), _reference(*reference), rtol=0.05, atol=0.05)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here")
+def test_cuda_agrees_with_cpu():
+    args, reference = _case(11, 4, [[True] * 6, [False, True] * 3], device="cuda")
+    torch.testing.assert_close(partition_attention(*args).cpu(), _reference(*reference), rtol=1e-4, atol=1e-4)
