@@ -47,18 +47,18 @@ class _Layer:
         the new token's key and value [1, H_kv, 1, D] (the caller writes them into the cache)."""
         layer = self.layer
         attn, mlp = layer.self_attn, layer.mlp
-        h = _rms_norm(layer.input_layernorm, x)
+        h = rms_norm(layer.input_layernorm, x)
         if self.qkv is not None:
             q, k, v = self.qkv(h)
         else:
             q, k, v = attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)
         q, k = q.view(1, 1, -1, attn.head_dim), k.view(1, 1, -1, attn.head_dim)
         if hasattr(attn, "q_norm"):  # Qwen3 normalizes each head's query and key
-            q, k = _rms_norm(attn.q_norm, q), _rms_norm(attn.k_norm, k)
+            q, k = rms_norm(attn.q_norm, q), rms_norm(attn.k_norm, k)
         q, k = apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), *rotary)
         v = v.view(1, 1, -1, attn.head_dim).transpose(1, 2)
         x = x + attn.o_proj(_attend(q, k, v, keys, values, attn.scaling))
-        h = _rms_norm(layer.post_attention_layernorm, x)
+        h = rms_norm(layer.post_attention_layernorm, x)
         if self.gate_up is not None:
             gate, up = self.gate_up(h)
         else:
@@ -85,7 +85,7 @@ class DecodeStep:
         """The model's step, built once per model; None when this step would not equal the model's forward."""
         with _LOCK:
             if model not in _STEPS:
-                _STEPS[model] = cls(model) if _describes(model) else None
+                _STEPS[model] = cls(model) if describes(model) else None
             return _STEPS[model]
 
     @staticmethod
@@ -123,7 +123,7 @@ class DecodeStep:
             x, k, v = layer(x, rotary, keys[index, :, :, :length], values[index, :, :, :length])
             new_keys.append(k)
             new_values.append(v)
-        logits = self._model.lm_head(_rms_norm(decoder.norm, x))[0, -1]
+        logits = self._model.lm_head(rms_norm(decoder.norm, x))[0, -1]
         return logits, torch.stack(new_keys), torch.stack(new_values)
 
 
@@ -149,13 +149,14 @@ def _attend(
     return out.reshape(1, 1, -1)
 
 
-def _rms_norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+def rms_norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """transformers' RMSNorm (float32 statistics, weight applied in the input dtype) as one fused op."""
     normalized = F.rms_norm(x.float(), x.shape[-1:], eps=norm.variance_epsilon)
     return norm.weight * normalized.to(x.dtype)
 
 
-def _describes(model: PreTrainedModel) -> bool:
+def describes(model: PreTrainedModel) -> bool:
+    """Whether a step written out as here equals the model's forward (Llama-style decoders, see ``DecodeStep``)."""
     config = model.config.get_text_config()
     if config.model_type not in _ARCHITECTURES or getattr(config, "hidden_act", None) != "silu":
         return False

@@ -23,6 +23,10 @@ import torch
 
 from pc_rag.attention import FLASH_CPU
 
+# Queries per pass over a shared run: a CPU GEMM gives each row the same bits from 4 rows up (fewer take another
+# kernel), so a run read by one sequence is padded to 4 queries and its result does not depend on who else reads it
+MIN_QUERIES = 4
+
 
 @dataclass(frozen=True)
 class SharedRun:
@@ -55,9 +59,11 @@ def partition_attention(
     for run in runs:
         n = run.readers.shape[0]
         q = grouped[run.readers].transpose(0, 1).reshape(1, kv_heads, n * n_rep, dim)
-        o, lse_run = attend_with_lse(q, run.keys[None], run.values[None], None, scale)
-        outs.append(o.view(kv_heads, n, n_rep, dim).transpose(0, 1).float())
-        lses.append(lse_run.view(kv_heads, n, n_rep).transpose(0, 1).float())
+        pad = max(0, MIN_QUERIES - n * n_rep)  # repeated queries, dropped after
+        o, lse_run = attend_with_lse(torch.cat([q, q[:, :, :1].expand(-1, -1, pad, -1)], 2), run.keys[None],
+                                     run.values[None], None, scale)  # fmt: skip
+        outs.append(o[:, :, : n * n_rep].reshape(kv_heads, n, n_rep, dim).transpose(0, 1).float())
+        lses.append(lse_run[:, :, : n * n_rep].reshape(kv_heads, n, n_rep).transpose(0, 1).float())
         rows.append(run.readers)
     return _merge(torch.cat(outs), torch.cat(lses), torch.cat(rows), batch).reshape(batch, heads, dim).to(query.dtype)
 

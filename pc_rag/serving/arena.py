@@ -1,0 +1,82 @@
+"""The private KV of the sequences decoding together: one padded row per sequence, live rows kept contiguous.
+
+Row ``b`` of ``keys``/``values`` ``[L, rows, H_kv, capacity, D]`` holds ``lengths[b]`` entries: what no other
+request shares (the tokens computed for this request, spans its recovery changed, the tokens it generated).
+Rows ``0..active-1`` are live; when a sequence finishes, the last live row moves into its place, so a decode
+step reads one block ``[:active]``. The capacity grows (a copy) when a row would overflow. This module knows
+nothing about models or requests.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# Capacities are multiples of this: attention over a padded row reduces over the whole capacity, and the CPU's
+# vector loops give the row's own entries the same lanes (the same bits) at any such capacity
+CAPACITY_STEP = 64
+
+
+class PrivateArena:
+    """Padded per-sequence KV rows; not thread-safe (one scheduler thread owns it)."""
+
+    def __init__(
+        self, layers: int, kv_heads: int, head_dim: int, *, rows: int, capacity: int = 256,
+        dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+    ) -> None:  # fmt: skip
+        shape = (layers, rows, kv_heads, _rounded(capacity), head_dim)
+        # zeros, not empty: padding is masked out of attention, but a NaN left in memory would still poison it
+        self.keys = torch.zeros(shape, dtype=dtype, device=device)  # [L, rows, H_kv, capacity, D]
+        self.values = torch.zeros(shape, dtype=dtype, device=device)
+        self.lengths = torch.zeros(rows, dtype=torch.long, device=device)
+        self.active = 0
+
+    @property
+    def rows(self) -> int:
+        return self.keys.shape[1]
+
+    @property
+    def capacity(self) -> int:
+        return self.keys.shape[3]
+
+    def admit(self, keys: torch.Tensor, values: torch.Tensor) -> int:
+        """A new live row holding ``keys``/``values`` [L, H_kv, n, D]; its index."""
+        assert self.active < self.rows, "no free row: the scheduler admits at most `rows` sequences"
+        n = keys.shape[2]
+        self.reserve(n)
+        row = self.active
+        self.keys[:, row, :, :n] = keys
+        self.values[:, row, :, :n] = values
+        self.lengths[row] = n
+        self.active += 1
+        return row
+
+    def retire(self, row: int) -> int | None:
+        """Free ``row``; the last live row moves into it. Returns the moved row's former index (None if none moved)."""
+        last = self.active - 1
+        assert 0 <= row <= last, f"row {row} is not live"
+        moved = None
+        if row != last:
+            n = int(self.lengths[last])
+            self.keys[:, row, :, :n] = self.keys[:, last, :, :n]
+            self.values[:, row, :, :n] = self.values[:, last, :, :n]
+            self.lengths[row] = n
+            moved = last
+        self.lengths[last] = 0
+        self.active = last
+        return moved
+
+    def reserve(self, tokens: int) -> None:
+        """Room for ``tokens`` more entries in every live row (and ``tokens`` in a new one)."""
+        needed = max(tokens, int(self.lengths[: self.active].max()) + tokens if self.active else tokens)
+        if needed <= self.capacity:
+            return
+        capacity = _rounded(max(needed, 2 * self.capacity))
+        for name in ("keys", "values"):
+            old = getattr(self, name)
+            new = old.new_zeros(*old.shape[:3], capacity, old.shape[4])
+            new[:, :, :, : old.shape[3]] = old
+            setattr(self, name, new)
+
+
+def _rounded(capacity: int) -> int:
+    return -(-max(capacity, 1) // CAPACITY_STEP) * CAPACITY_STEP

@@ -1,0 +1,123 @@
+"""One decode step for many sequences at once: the weights are read once for the batch, shared KV once per step.
+
+Each live row of a ``PrivateArena`` is a sequence; it attends to the shared segments it reads (in a
+``SharedKVPool``) and to its private row, through ``partition_attention``. The layers are written out as in
+``DecodeStep`` (same norms, rotary and projections of transformers' modules, in the same order and dtypes), with
+B rows where that step has one; models it does not describe get ``None`` from ``BatchDecodeStep.of``. This
+module knows nothing about requests or scheduling.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import PreTrainedModel
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+from pc_rag.decode_step import describes, rms_norm
+from pc_rag.serving.arena import PrivateArena
+from pc_rag.serving.partition_attention import SharedRun, partition_attention
+from pc_rag.serving.shared_pool import Segment, SharedKVPool
+from pc_rag.weights import KERNEL_ROWS, FusedKernel
+
+# Rows of the batch's matmuls: on the CPU a GEMM gives each row the same bits from 4 rows up, while 1-3 rows
+# take another kernel; padding small batches to 4 keeps a greedy answer independent of the batch it decodes in
+MIN_ROWS = 4
+_STEPS: weakref.WeakKeyDictionary[nn.Module, BatchDecodeStep | None] = weakref.WeakKeyDictionary()
+_LOCK = threading.Lock()
+
+
+@dataclass(frozen=True)
+class SharedRead:
+    """A shared segment and the arena rows (live sequences) that attend to it."""
+
+    segment: Segment
+    rows: torch.Tensor  # [n] long, distinct
+
+
+class BatchDecodeStep:
+    """``step(tokens, positions, arena, pool, reads)``: next-token logits [B, V] of the arena's B live rows."""
+
+    def __init__(self, model: PreTrainedModel) -> None:
+        self._model = model
+        self._decoder = model.get_decoder()
+        self._layers = [_BatchLayer(layer) for layer in self._decoder.layers]
+
+    @classmethod
+    def of(cls, model: PreTrainedModel) -> BatchDecodeStep | None:
+        """The model's step, built once per model; None when it would not equal the model's forward."""
+        with _LOCK:
+            if model not in _STEPS:
+                _STEPS[model] = cls(model) if describes(model) else None
+            return _STEPS[model]
+
+    @torch.inference_mode()
+    def __call__(
+        self, tokens: torch.Tensor, positions: torch.Tensor, arena: PrivateArena, pool: SharedKVPool | None,
+        reads: Sequence[SharedRead] = (),
+    ) -> torch.Tensor:  # fmt: skip
+        """Row b's token ``tokens[b]`` at ``positions[b]`` (both [B] long, B = ``arena.active``) is appended to its
+        private KV; returns the logits [B, V] after it."""
+        batch = arena.active
+        assert tokens.shape == positions.shape == (batch,), "one token per live row"
+        arena.reserve(1)
+        decoder = self._decoder
+        padded = max(batch, MIN_ROWS)
+        rows = torch.arange(batch, device=tokens.device)
+        index = torch.cat([rows, rows.new_zeros(padded - batch)])  # padding rows repeat row 0, never written back
+        x = decoder.embed_tokens(tokens[index, None])  # [padded, 1, hidden]
+        rotary = decoder.rotary_emb(x, positions[index, None])
+        lengths = arena.lengths[:batch]
+        reads = sorted(reads, key=lambda r: r.segment.start)  # a row's parts merge in one order, whoever else reads
+        for layer_index, layer in enumerate(self._layers):
+            runs = [SharedRun(*pool.view(r.segment, layer_index), r.rows) for r in reads] if pool is not None else []
+            x = layer(x, rotary, arena.keys[layer_index], arena.values[layer_index], rows, lengths, runs)
+        arena.lengths[:batch] += 1
+        return self._model.lm_head(rms_norm(decoder.norm, x))[:batch, -1]
+
+
+class _BatchLayer:
+    """One decoder layer over B rows, with q/k/v and gate/up fused where the weights allow and B is small."""
+
+    def __init__(self, layer: nn.Module) -> None:
+        self.layer = layer
+        attn, mlp = layer.self_attn, layer.mlp
+        self.qkv = FusedKernel.of([attn.q_proj, attn.k_proj, attn.v_proj])
+        self.gate_up = FusedKernel.of([mlp.gate_proj, mlp.up_proj])
+
+    def __call__(
+        self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], keys: torch.Tensor, values: torch.Tensor,
+        rows: torch.Tensor, lengths: torch.Tensor, runs: list[SharedRun],
+    ) -> torch.Tensor:  # fmt: skip
+        """``x`` [padded, 1, hidden] -> [padded, 1, hidden] (rows past B pad the matmuls: see ``MIN_ROWS``); writes
+        each live row's new key and value into ``keys``/``values`` [rows, H_kv, capacity, D] at ``lengths[b]``."""
+        layer = self.layer
+        attn, mlp = layer.self_attn, layer.mlp
+        padded, batch = x.shape[0], rows.shape[0]
+        fused = x.dtype == torch.bfloat16 and padded <= KERNEL_ROWS
+        h = rms_norm(layer.input_layernorm, x)
+        if fused and self.qkv is not None:
+            q, k, v = self.qkv(h)
+        else:
+            q, k, v = attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)
+        q, k = q.view(padded, 1, -1, attn.head_dim), k.view(padded, 1, -1, attn.head_dim)
+        if hasattr(attn, "q_norm"):  # Qwen3 normalizes each head's query and key
+            q, k = rms_norm(attn.q_norm, q), rms_norm(attn.k_norm, k)
+        q, k = apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), *rotary)  # [padded, H(_kv), 1, D]
+        keys[rows, :, lengths] = k[:batch, :, 0]
+        values[rows, :, lengths] = v[:batch].view(batch, -1, attn.head_dim)
+        out = partition_attention(q[:batch, :, 0], runs, keys[:batch], values[:batch], lengths + 1, attn.scaling)
+        out = torch.cat([out, out[:1].expand(padded - batch, -1, -1)])  # [padded, H, D]
+        x = x + attn.o_proj(out.reshape(padded, 1, -1))
+        h = rms_norm(layer.post_attention_layernorm, x)
+        if fused and self.gate_up is not None:
+            gate, up = self.gate_up(h)
+        else:
+            gate, up = mlp.gate_proj(h), mlp.up_proj(h)
+        return x + mlp.down_proj(F.silu(gate) * up)

@@ -1,0 +1,125 @@
+"""A batched decode step over shared segments and private rows equals each sequence's own forward."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import TINY_CONFIGS, tiny_model
+from test_weights import tiny_in
+from transformers.cache_utils import DynamicCache
+
+from pc_rag.kv import SpanKV, kv_shape
+from pc_rag.serving.arena import PrivateArena
+from pc_rag.serving.batch_step import BatchDecodeStep, SharedRead
+from pc_rag.serving.shared_pool import SegmentKey, SharedKVPool
+
+DESCRIBED = ["llama", "llama3-scaled", "mistral", "qwen2", "qwen3"]
+TOLERANCE = {"float32": 1e-5, "bfloat16": 5e-2, "int8": 5e-2, "int4": 5e-2}
+
+
+def _kv(g: torch.Generator, model, length: int, dtype: torch.dtype) -> SpanKV:
+    layers, heads, dim = kv_shape(model)
+    keys, values = torch.randn(2, layers, heads, length, dim, generator=g).to(dtype)
+    return SpanKV(keys, values, torch.arange(length))
+
+
+class _Batch:
+    """Rows reading a 70-token segment (all), a 20-token one (rows 1 and 3), and private KV of their own."""
+
+    def __init__(self, model, dtype: torch.dtype, rows: int = 4) -> None:
+        g = torch.Generator().manual_seed(0)
+        layers, heads, dim = kv_shape(model)
+        self.pool = SharedKVPool(layers, heads, dim, chunks=4, dtype=dtype)
+        self.arena = PrivateArena(layers, heads, dim, rows=rows + 1, capacity=8, dtype=dtype)
+        common, module = _kv(g, model, 70, dtype), _kv(g, model, 20, dtype)
+        self.segments = [
+            self.pool.acquire(SegmentKey("test", tuple(range(70)), tuple(range(70))), common),
+            self.pool.acquire(SegmentKey("test", tuple(range(20)), tuple(range(70, 90))), module),
+        ]
+        self.readers = [list(range(rows)), [r for r in (1, 3) if r < rows]]
+        self.private = [_kv(g, model, 5 + 3 * r, dtype) for r in range(rows)]
+        for kv in self.private:
+            self.arena.admit(kv.keys, kv.values)
+        self.caches = []
+        for r, kv in enumerate(self.private):  # the reference: each row's KV duplicated in one plain cache
+            parts = [
+                self.pool.view(s, slice(None)) for s, rs in zip(self.segments, self.readers, strict=True) if r in rs
+            ]
+            keys = torch.cat([p[0] for p in parts] + [kv.keys], dim=2)
+            values = torch.cat([p[1] for p in parts] + [kv.values], dim=2)
+            self.caches.append(
+                DynamicCache(ddp_cache_data=[(k[None], v[None]) for k, v in zip(keys, values, strict=True)])
+            )
+        self.positions = torch.tensor([100 + 7 * r for r in range(rows)])
+
+    def reads(self) -> list[SharedRead]:
+        return [SharedRead(s, torch.tensor(rs)) for s, rs in zip(self.segments, self.readers, strict=True) if rs]
+
+
+@pytest.mark.parametrize("dtype", sorted(TOLERANCE))
+@pytest.mark.parametrize("arch", DESCRIBED)
+def test_each_row_equals_its_own_forward_over_duplicated_kv(tokenizer, arch: str, dtype: str) -> None:
+    lm = tiny_in(arch, dtype, tokenizer)
+    step = BatchDecodeStep.of(lm.model)
+    assert step is not None
+    batch = _Batch(lm.model, lm.model.dtype)
+    tokens = torch.tensor([5, 77, 301, 9])
+    with torch.inference_mode():
+        for i in range(3):
+            logits = step(tokens, batch.positions + i, batch.arena, batch.pool, batch.reads())
+            for r, cache in enumerate(batch.caches):
+                plain = lm.model(
+                    input_ids=tokens[r].view(1, 1), position_ids=(batch.positions[r] + i).view(1, 1),
+                    past_key_values=cache, use_cache=True,
+                ).logits[0, -1]  # fmt: skip
+                error = (logits[r].float() - plain.float()).abs().max() / plain.float().abs().max()
+                assert error < TOLERANCE[dtype], f"row {r}, step {i}: relative error {error:.1e}"
+            tokens = logits.argmax(-1)
+    for r, cache in enumerate(batch.caches):  # the new tokens' KV went to each row's private part
+        n = batch.private[r].length
+        own = batch.arena.keys[:, r, :, n : n + 3]
+        close = {"rtol": 1e-5, "atol": 1e-5} if dtype == "float32" else {"rtol": 5e-2, "atol": 1e-1}
+        torch.testing.assert_close(own, torch.stack([layer.keys[0, :, -3:] for layer in cache.layers]), **close)
+        assert int(batch.arena.lengths[r]) == n + 3
+
+
+def test_a_finished_row_is_refilled_by_the_last_and_decoding_goes_on(tokenizer) -> None:
+    lm = tiny_model("llama", tokenizer)
+    step = BatchDecodeStep.of(lm.model)
+    batch = _Batch(lm.model, torch.float32)
+    tokens = torch.tensor([5, 77, 301, 9])
+    with torch.inference_mode():
+        before = step(tokens, batch.positions, batch.arena, batch.pool, batch.reads())
+        for r, cache in enumerate(batch.caches):  # the references take the same first step
+            lm.model(input_ids=tokens[r].view(1, 1), position_ids=batch.positions[r].view(1, 1), past_key_values=cache)
+        assert batch.arena.retire(1) == 3  # row 3 moves into row 1
+        batch.readers = [[0, 1, 2], [1]]  # the old row 3 reads both segments, now as row 1
+        order = [0, 3, 2]
+        again = step(before.argmax(-1)[order], batch.positions[order] + 1, batch.arena, batch.pool, batch.reads())
+        for row, old in enumerate(order):
+            plain = lm.model(
+                input_ids=before.argmax(-1)[old].view(1, 1), position_ids=(batch.positions[old] + 1).view(1, 1),
+                past_key_values=batch.caches[old], use_cache=False,
+            ).logits[0, -1]  # fmt: skip
+            torch.testing.assert_close(again[row], plain, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_a_row_gets_the_same_bits_alone_as_in_any_batch(tokenizer, arch: str) -> None:
+    """Greedy answers must not depend on who else is decoding: each row's logits are bitwise those of the row
+    decoded alone, whatever the batch size and whatever other segments the other rows read."""
+    lm = tiny_model(arch, tokenizer)
+    step = BatchDecodeStep.of(lm.model)
+    alone, crowd = _Batch(lm.model, torch.float32, rows=1), _Batch(lm.model, torch.float32, rows=5)
+    tokens = torch.tensor([5, 77, 301, 9, 40])
+    with torch.inference_mode():
+        for i in range(3):
+            one = step(tokens[:1], alone.positions + i, alone.arena, alone.pool, alone.reads())
+            many = step(tokens, crowd.positions + i, crowd.arena, crowd.pool, crowd.reads()[::-1])
+            assert torch.equal(one[0], many[0]), f"step {i}"
+            tokens = many.argmax(-1)
+
+
+@pytest.mark.parametrize("arch", sorted(set(TINY_CONFIGS) - set(DESCRIBED)))
+def test_models_it_does_not_describe_get_no_step(tokenizer, arch: str) -> None:
+    assert BatchDecodeStep.of(tiny_model(arch, tokenizer).model) is None
