@@ -13,10 +13,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import Literal
+from uuid import uuid4
 
 import torch
 
-from pc_rag.assemble import forward_new_tokens, splice
 from pc_rag.baseline import serve_full
 from pc_rag.chat import ChatWrappers, chat_wrappers
 from pc_rag.encode import encode_spans
@@ -27,9 +27,7 @@ from pc_rag.generate import (
     SamplingParams,
     Stopwatch,
     collect,
-    decode_tokens,
     eos_ids,
-    run_generation,
 )
 from pc_rag.kv import BufferPool, SpanKV, kv_shape
 from pc_rag.layout import SchemaLayout, layout_schema
@@ -38,6 +36,9 @@ from pc_rag.plan import ServePlan, plan_prompt
 from pc_rag.pml.nodes import Prompt, Role, Schema
 from pc_rag.pml.parser import parse_prompt, parse_schema
 from pc_rag.pml.validate import validate_prompt
+from pc_rag.serving.executor import execute
+from pc_rag.serving.request import Part, Request
+from pc_rag.serving.shared_pool import SegmentKey
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +53,7 @@ class EncodedSchema:
     layout: SchemaLayout
     kv: dict[str, SpanKV]
     scaffolds: dict[str, dict[str, SpanKV]] = field(default_factory=dict)
+    uid: str = field(default_factory=lambda: uuid4().hex)  # this encoding, among every schema ever registered
 
     @property
     def nbytes(self) -> int:
@@ -60,16 +62,14 @@ class EncodedSchema:
 
 
 @dataclass
-class _Request:
-    """What serving one prompt needs: its schema's layout, the plan and the spans' KV in cache order."""
+class _Planned:
+    """A prompt planned against its schema: the layout, the plan, and the spans' KV in cache order with the keys
+    under which requests share them."""
 
     layout: SchemaLayout
     plan: ServePlan
     parts: list[SpanKV]
-
-    @property
-    def cached_tokens(self) -> int:
-        return sum(kv.length for kv in self.parts)
+    share_keys: list[SegmentKey]
 
 
 class PromptCache:
@@ -156,7 +156,7 @@ class PromptCache:
             offset += n
         return out
 
-    def _request(self, prompt: Prompt | str) -> _Request:
+    def _planned(self, prompt: Prompt | str) -> _Planned:
         if isinstance(prompt, str):
             prompt = parse_prompt(prompt)
         encoded = self.schemas.get(prompt.schema)
@@ -173,24 +173,26 @@ class PromptCache:
             msg = f"prompt reaches position {plan.next_position}; the model has {self.lm.max_positions}"
             raise ContextLengthError(msg)
         imported = set(plan.spans)
-        parts = []
+        parts, keys = [], []
         for name in plan.spans:
-            scaffold = encoded.layout.spans[name].scaffold
-            joint = encoded.scaffolds.get(scaffold) if scaffold else None
+            span = encoded.layout.spans[name]
+            joint = encoded.scaffolds.get(span.scaffold) if span.scaffold else None
             use_joint = joint is not None and imported.issuperset(joint)
             parts.append(joint[name] if use_joint else encoded.kv[name])
-        return _Request(encoded.layout, plan, parts)
+            source = f"{encoded.uid}/{name}" + (f"@{span.scaffold}" if use_joint else "")
+            keys.append(SegmentKey(source, tuple(span.token_ids), tuple(span.positions)))
+        return _Planned(encoded.layout, plan, parts, keys)
 
     def plan(self, prompt: Prompt | str) -> ServePlan:
         """Validate and plan ``prompt`` without running the model."""
-        return self._request(prompt).plan
+        return self._planned(prompt).plan
 
     def full_prompt_ids(self, prompt: Prompt | str) -> list[int]:
         """The plain token sequence equivalent to ``prompt``: spans and computed tokens in position order."""
-        request = self._request(prompt)
-        spans = [request.layout.spans[n] for n in request.plan.spans]
+        planned = self._planned(prompt)
+        spans = [planned.layout.spans[n] for n in planned.plan.spans]
         tokens = [(p, i) for span in spans for i, p in zip(span.token_ids, span.positions, strict=True)]
-        tokens += list(zip(request.plan.new_positions, request.plan.new_ids, strict=True))
+        tokens += list(zip(planned.plan.new_positions, planned.plan.new_ids, strict=True))
         return [i for _, i in sorted(tokens, key=lambda t: t[0])]
 
     def generate(
@@ -208,18 +210,11 @@ class PromptCache:
     ) -> Iterator[str | GenerationResult]:
         params = replace(params or SamplingParams(), **kwargs)  # type: ignore[arg-type]
         watch = Stopwatch()
-        request = self._request(prompt)
-        plan = request.plan
-        buffer = self._buffers.acquire(request.cached_tokens + len(plan.new_ids) + params.max_new_tokens)
-        try:
-            length = splice(buffer, self.lm.rope, [(kv, 0) for kv in request.parts])
-            logits, cache = forward_new_tokens(self.lm.model, buffer, length, plan.new_ids, plan.new_positions)
-            tokens = decode_tokens(self.lm.model, cache, logits, plan.next_position, params, self._stop_ids)
-            yield from run_generation(
-                tokens, self.lm.tokenizer, params, watch, logits, request.cached_tokens, len(plan.new_ids)
-            )
-        finally:
-            self._buffers.release(buffer)
+        planned = self._planned(prompt)
+        plan = planned.plan
+        parts = [Part(kv, share=key) for kv, key in zip(planned.parts, planned.share_keys, strict=True)]
+        request = Request(parts, plan.new_ids, plan.new_positions, plan.next_position, params, watch=watch)
+        yield from execute(self.lm, self._buffers, request, self._stop_ids)
 
     def generate_full(
         self, prompt: Prompt | str, params: SamplingParams | None = None, **kwargs: object

@@ -13,7 +13,7 @@ from pc_rag.errors import PCRagError
 from pc_rag.kv import allocate
 from pc_rag.rag import RagEngine, RagPrompt, RecoveryMode
 from pc_rag.rag.modes import is_mode, resolve_mode
-from pc_rag.rag.recompute import recompute_mask
+from pc_rag.recompute import recompute_mask
 
 TEXTS = [
     "The Eiffel Tower is in Paris and was finished in 1889.",

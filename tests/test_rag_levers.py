@@ -93,10 +93,12 @@ def test_blend_recomputes_the_largest_products_of_attention_and_deviation(engine
             return seen[_name]
 
         monkeypatch.setattr(engine_module, name, spy)
+    from pc_rag.serving import executor
+
     chosen = []
-    real_recompute = engine_module.recompute_and_prefill
+    real_recompute = executor.recompute_and_prefill
     monkeypatch.setattr(
-        engine_module, "recompute_and_prefill", lambda *a, **k: (chosen.extend(a[3]), real_recompute(*a, **k))[1]
+        executor, "recompute_and_prefill", lambda *a, **k: (chosen.extend(a[3]), real_recompute(*a, **k))[1]
     )
     engine.answer(chunks, QUESTION, "blend:0.25", max_new_tokens=1)
     head = len(engine.head_ids)

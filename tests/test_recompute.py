@@ -8,7 +8,7 @@ from transformers.cache_utils import Cache
 
 import pc_rag.attention as attention
 from pc_rag.kv import allocate
-from pc_rag.rag.recompute import RefreshLayer, recompute_and_prefill, recompute_mask
+from pc_rag.recompute import RefreshLayer, recompute_and_prefill, recompute_mask
 
 
 @pytest.fixture(scope="module")

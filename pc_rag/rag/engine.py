@@ -14,26 +14,24 @@ from collections.abc import Iterator, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, replace
 from functools import partial
+from uuid import uuid4
 
 import torch
-from transformers import PreTrainedModel
 
-from pc_rag.assemble import forward_new_tokens, splice
+from pc_rag.assemble import splice
 from pc_rag.baseline import serve_full
 from pc_rag.calibration import KWARG as SEGMENTS
 from pc_rag.calibration import Calibration, Segments
 from pc_rag.chat import chat_wrappers
 from pc_rag.encode import encode_spans
-from pc_rag.errors import ContextLengthError, PCRagError
+from pc_rag.errors import PCRagError
 from pc_rag.generate import (
     GenerationResult,
     ReplyStream,
     SamplingParams,
     Stopwatch,
     collect,
-    decode_tokens,
     eos_ids,
-    run_generation,
 )
 from pc_rag.kv import BufferPool, KVBuffer, SpanKV
 from pc_rag.model import LoadedModel
@@ -42,10 +40,12 @@ from pc_rag.rag.adapter import SpliceAdapter
 from pc_rag.rag.modes import RecoveryMode, resolve_mode
 from pc_rag.rag.prompt import RagPrompt
 from pc_rag.rag.query_select import query_indices, question_attention
-from pc_rag.rag.recompute import recompute_and_prefill
 from pc_rag.rag.select import deviation_indices, edge_indices, kv_deviation
 from pc_rag.rag.tuned import Tuned
 from pc_rag.rope import RopeSpec
+from pc_rag.serving.executor import execute
+from pc_rag.serving.request import Part, Refresh, Request
+from pc_rag.serving.shared_pool import SegmentKey
 
 ENCODE_BATCH = 8
 
@@ -94,6 +94,8 @@ class RagEngine:
         self.kv_dtype = kv_dtype or lm.dtype
         self.head_ids = tuple(self.tokenize(self.prompt.head(self.wrappers)))
         self.head_kv = encode_spans(lm.model, [(self.head_ids, range(len(self.head_ids)))])[0]
+        # the preamble's KV as requests may share it: this engine's encoding, at positions 0...
+        self._head_key = SegmentKey(f"rag-preamble/{uuid4().hex}", self.head_ids, tuple(range(len(self.head_ids))))
         self.canonical_start = len(self.head_ids) + canonical_gap
         self._stop_ids = eos_ids(lm.model, lm.tokenizer)
         self._buffers = BufferPool(lm.model)
@@ -132,7 +134,7 @@ class RagEngine:
 
     def full_ids(self, chunks: Sequence[Chunk], question: str) -> list[int]:
         """The plain prompt: head, chunk tokens and question tokens, tokenized piecewise."""
-        return self._full_ids(self._request(chunks, question))
+        return self._full_ids(self._pieces(chunks, question))
 
     def plain_ids(self, texts: Sequence[str], question: str) -> list[int]:
         """``full_ids`` of the chunks of ``texts``, without encoding them."""
@@ -153,14 +155,14 @@ class RagEngine:
         row j holds this mode's logits given its own cached prompt and ``reference_ids[:j]`` (row 0 is
         ``first_logits``). They are computed after the answer is timed, on its cache; the answer is unchanged.
         """
-        request = self._request(chunks, question)
-        return collect(self._serve(request, resolve_mode(mode), reference_ids=reference_ids, **kwargs))
+        pieces = self._pieces(chunks, question)
+        return collect(self._serve(pieces, resolve_mode(mode), reference_ids=reference_ids, **kwargs))
 
     def stream(
         self, chunks: Sequence[Chunk], question: str, mode: str | RecoveryMode = "default", **kwargs: object
     ) -> ReplyStream:
         """Like ``answer``, streaming text deltas; ``.result`` is set at the end."""
-        return ReplyStream(self._serve(self._request(chunks, question), resolve_mode(mode), **kwargs))
+        return ReplyStream(self._serve(self._pieces(chunks, question), resolve_mode(mode), **kwargs))
 
     def answer_full(
         self, chunks: Sequence[Chunk], question: str, *, reuse_preamble: bool = False, **kwargs: object
@@ -169,7 +171,7 @@ class RagEngine:
 
         ``reuse_preamble=True`` is prefix caching: the preamble's KV is reused, chunks and question computed.
         """
-        ids = self._full_ids(self._request(chunks, question))
+        ids = self._full_ids(self._pieces(chunks, question))
         return collect(self._serve_full(ids, self.head_kv if reuse_preamble else None, **kwargs))
 
     def stream_around(
@@ -187,32 +189,32 @@ class RagEngine:
         ``mode=None`` serves the same tokens by full prefill. Without chunks the turn is
         plain text and is always served by full prefill.
         """
-        request = self._request_around(before, chunks, after)
+        pieces = self._pieces_around(before, chunks, after)
         if mode is None or not chunks:
-            return ReplyStream(self._serve_full(self._full_ids(request), None, **kwargs))
-        return ReplyStream(self._serve(request, resolve_mode(mode), **kwargs))
+            return ReplyStream(self._serve_full(self._full_ids(pieces), None, **kwargs))
+        return ReplyStream(self._serve(pieces, resolve_mode(mode), **kwargs))
 
     def stream_ids(self, ids: Sequence[int], **kwargs: object) -> ReplyStream:
         """Full prefill of plain token ids (no reuse), then decoding: any conversation rendered by the caller."""
         return ReplyStream(self._serve_full(ids, None, **kwargs))
 
-    def _request(self, chunks: Sequence[Chunk], question: str) -> _Request:
-        return _Request(self.head_ids, self.head_kv, tuple(chunks), tuple(self._tail_ids(question)))
+    def _pieces(self, chunks: Sequence[Chunk], question: str) -> _Pieces:
+        return _Pieces(self.head_ids, self.head_kv, tuple(chunks), tuple(self._tail_ids(question)))
 
     def _tail_ids(self, question: str) -> list[int]:
         return self.tokenize(self.prompt.tail(self.wrappers, question))
 
-    def _request_around(self, before: str, chunks: Sequence[Chunk], after: str) -> _Request:
+    def _pieces_around(self, before: str, chunks: Sequence[Chunk], after: str) -> _Pieces:
         if before == self.prompt.preamble:
             head_ids, head_kv = self.head_ids, self.head_kv
         else:
             head_ids = tuple(self.tokenize(self.prompt.head(self.wrappers, before)))
             head_kv = None
         tail = self.tokenize(after + self.wrappers.close["user"] + self.wrappers.generation_prompt)
-        return _Request(head_ids, head_kv, tuple(chunks), tuple(tail))
+        return _Pieces(head_ids, head_kv, tuple(chunks), tuple(tail))
 
-    def _full_ids(self, request: _Request) -> list[int]:
-        return [*request.head_ids, *(t for c in request.chunks for t in c.token_ids), *request.tail_ids]
+    def _full_ids(self, pieces: _Pieces) -> list[int]:
+        return [*pieces.head_ids, *(t for c in pieces.chunks for t in c.token_ids), *pieces.tail_ids]
 
     def _serve_full(
         self, ids: Sequence[int], prefix: SpanKV | None, **kwargs: object
@@ -221,45 +223,33 @@ class RagEngine:
         return serve_full(self.lm, self._buffers, ids, params, self._stop_ids, prefix)
 
     def _serve(
-        self, request: _Request, mode: RecoveryMode, reference_ids: Sequence[int] | None = None, **kwargs: object
+        self, pieces: _Pieces, mode: RecoveryMode, reference_ids: Sequence[int] | None = None, **kwargs: object
     ) -> Iterator[str | GenerationResult]:
         params = replace(SamplingParams(), **kwargs)  # type: ignore[arg-type]
         watch = Stopwatch()
-        chunks, tail = request.chunks, request.tail_ids
-        head_kv = request.head_kv
-        if head_kv is None:  # a preamble of this request's own: computed now, counted in TTFT
-            ids = request.head_ids
-            head_kv = encode_spans(self.lm.model, [(ids, range(len(ids)))])[0]
-        head = len(request.head_ids)
+        chunks, tail = pieces.chunks, pieces.tail_ids
+        head = len(pieces.head_ids)
+        if pieces.head_kv is None:  # a preamble of this request's own: computed now, counted in TTFT
+            head_kv = encode_spans(self.lm.model, [(pieces.head_ids, range(head))])[0]
+            head_part = Part(head_kv)
+        else:
+            head_part = Part(pieces.head_kv, share=self._head_key)
         slots, total = chunk_slots(head, chunks)
-        self._check_length(total + len(tail))
-        buffer = self._buffers.acquire(total + len(tail) + params.max_new_tokens)
-        try:
-            splice_chunks(buffer, self.lm.rope, head_kv, chunks, slots)
-            tail_positions = range(total, total + len(tail))
-            ids = [t for c in chunks for t in c.token_ids]
-            calls = _QueryCalls(self.tuned, mode, head, total)
-            chosen = self._select(mode, buffer, head, slots, ids, total, tail, calls)
-            if chosen:
-                chosen_ids = [ids[i - head] for i in chosen]
-                logits, cache = recompute_and_prefill(
-                    self.lm.model, buffer, total, chosen, chosen_ids, chosen, tail, tail_positions,
-                    call=calls.first(chosen),
-                )  # fmt: skip
-            else:
-                logits, cache = forward_new_tokens(
-                    self.lm.model, buffer, total, tail, tail_positions, call=calls.first(chosen)
-                )
-            later = calls.later(chosen)
-            tokens = decode_tokens(self.lm.model, cache, logits, total + len(tail), params, self._stop_ids, later)
-            own_head = head if request.head_kv is None else 0
-            counts = (total - len(chosen) - own_head, len(chosen) + len(tail) + own_head)  # (cached, computed)
-            stream = run_generation(tokens, self.lm.tokenizer, params, watch, logits, *counts)
-            if reference_ids is not None:
-                stream = _teacher_forced(stream, self.lm.model, buffer, total + len(tail), reference_ids, later)
-            yield from stream
-        finally:
-            self._buffers.release(buffer)
+        moved = [Part(c.kv, start - int(c.kv.positions[0])) for c, (start, _) in zip(chunks, slots, strict=True)]
+        ids = [t for c in chunks for t in c.token_ids]
+        calls = _QueryCalls(self.tuned, mode, head, total)
+        refresh = None
+        if mode.recomputes and ids:
+            refresh = Refresh(
+                choose=lambda buffer, _: self._select(mode, buffer, head, slots, ids, total, tail, calls),
+                token_ids=lambda chosen: [ids[i - head] for i in chosen],
+                positions=list,  # cache index = position: the chunks follow the head without gaps
+            )
+        request = Request(
+            [head_part, *moved], tail, range(total, total + len(tail)), total + len(tail), params, refresh, calls,
+            own_tokens=head if pieces.head_kv is None else 0, reference_ids=reference_ids, watch=watch,
+        )  # fmt: skip
+        yield from execute(self.lm, self._buffers, request, self._stop_ids)
 
     def _select(
         self,
@@ -289,11 +279,6 @@ class RagEngine:
             chosen.update(deviation_indices(self.lm.model, buffer, head, ids, mode.ratio, mode.probe_layer, chosen))
         return sorted(chosen)
 
-    def _check_length(self, tokens: int) -> None:
-        if tokens + 1 > self.lm.max_positions:
-            msg = f"prompt of {tokens} tokens exceeds the model's {self.lm.max_positions} positions"
-            raise ContextLengthError(msg)
-
 
 def chunk_slots(head: int, chunks: Sequence[Chunk]) -> tuple[list[tuple[int, int]], int]:
     """Each chunk's ``(cache start, length)`` when the chunks are laid out one after another after ``head``
@@ -311,45 +296,6 @@ def splice_chunks(
     """Splice the head's KV, then each chunk's with its keys re-rotated to its slot (``chunk_slots``)."""
     moved = [(c.kv, start - int(c.kv.positions[0])) for c, (start, _) in zip(chunks, slots, strict=True)]
     splice(buffer, rope, [(head_kv, 0), *moved])
-
-
-def _teacher_forced(
-    stream: Iterator[str | GenerationResult],
-    model: PreTrainedModel,
-    buffer: KVBuffer,
-    prompt_length: int,
-    reference_ids: Sequence[int],
-    call: ModelCall,
-) -> Iterator[str | GenerationResult]:
-    """``stream`` whose result carries ``step_logits`` forced with ``reference_ids`` (see ``RagEngine.answer``).
-
-    Runs once the result exists (the clock has stopped), before the buffer is released: the cache is
-    taken back to the prompt's ``prompt_length`` entries (cache index = position here) and one forward
-    runs ``reference_ids`` at the positions after the prompt, overwriting the generated tokens' KV.
-    """
-    for item in stream:
-        if isinstance(item, GenerationResult):
-            rows = [item.first_logits[None]]  # [1, V], float32 on the CPU
-            if reference_ids:
-                rows.append(_forward_all(model, buffer, prompt_length, reference_ids, call))
-            item = replace(item, step_logits=torch.cat(rows))
-        yield item
-
-
-@torch.inference_mode()
-def _forward_all(
-    model: PreTrainedModel, buffer: KVBuffer, length: int, ids: Sequence[int], call: ModelCall
-) -> torch.Tensor:
-    """Logits [len(ids), V] (float32, CPU) of ``ids`` run at positions ``length...`` after ``length`` cached tokens."""
-    device = buffer.keys.device
-    out = call(
-        model,
-        input_ids=torch.tensor([list(ids)], device=device),
-        position_ids=torch.arange(length, length + len(ids), device=device)[None],
-        past_key_values=buffer.cache(length),
-        use_cache=True,
-    )
-    return out.logits[0].float().cpu()
 
 
 class _QueryCalls:
@@ -381,7 +327,7 @@ class _QueryCalls:
 
 
 @dataclass(frozen=True)
-class _Request:
+class _Pieces:
     """What one answer serves: head tokens (and their KV when cached), chunks, then computed tail tokens."""
 
     head_ids: tuple[int, ...]

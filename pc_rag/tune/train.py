@@ -36,8 +36,8 @@ from pc_rag.kv import KVBuffer, allocate
 from pc_rag.rag.adapter import AdapterConfig, SpliceAdapter
 from pc_rag.rag.engine import Chunk, RagEngine, chunk_slots, splice_chunks
 from pc_rag.rag.modes import MODES
-from pc_rag.rag.recompute import recompute_and_prefill
 from pc_rag.rag.select import deviation_indices
+from pc_rag.recompute import recompute_and_prefill
 from pc_rag.tune.pairs import Pair
 from pc_rag.tune.teacher import TeacherRecord
 
