@@ -205,16 +205,20 @@ class PromptCache:
         """Stream the reply: iterate for text deltas; ``.result`` holds the ``GenerationResult`` afterwards."""
         return ReplyStream(self._serve(prompt, params, **kwargs))
 
-    def _serve(
-        self, prompt: Prompt | str, params: SamplingParams | None, **kwargs: object
-    ) -> Iterator[str | GenerationResult]:
+    def request(self, prompt: Prompt | str, params: SamplingParams | None = None, **kwargs: object) -> Request:
+        """``prompt`` as a serving ``Request`` (for ``serving.execute`` or a ``Scheduler``); kwargs are
+        ``SamplingParams`` fields. Its clock starts now."""
         params = replace(params or SamplingParams(), **kwargs)  # type: ignore[arg-type]
         watch = Stopwatch()
         planned = self._planned(prompt)
         plan = planned.plan
         parts = [Part(kv, share=key) for kv, key in zip(planned.parts, planned.share_keys, strict=True)]
-        request = Request(parts, plan.new_ids, plan.new_positions, plan.next_position, params, watch=watch)
-        yield from execute(self.lm, self._buffers, request, self._stop_ids)
+        return Request(parts, plan.new_ids, plan.new_positions, plan.next_position, params, watch=watch)
+
+    def _serve(
+        self, prompt: Prompt | str, params: SamplingParams | None, **kwargs: object
+    ) -> Iterator[str | GenerationResult]:
+        yield from execute(self.lm, self._buffers, self.request(prompt, params, **kwargs), self._stop_ids)
 
     def generate_full(
         self, prompt: Prompt | str, params: SamplingParams | None = None, **kwargs: object

@@ -128,3 +128,7 @@ class CodecCorruptedError(CodecError, StoreCorruptedError):
 
 class KVPoolFullError(PCRagError):
     """The shared KV pool has no run of free chunks for a segment, even after dropping every idle one."""
+
+
+class ServerBusyError(PCRagError):
+    """Too many requests are waiting to be served; retry later (an HTTP server answers 429)."""

@@ -222,9 +222,22 @@ class RagEngine:
         params = replace(SamplingParams(), **kwargs)  # type: ignore[arg-type]
         return serve_full(self.lm, self._buffers, ids, params, self._stop_ids, prefix)
 
+    def request(
+        self, chunks: Sequence[Chunk], question: str, mode: str | RecoveryMode = "default", **kwargs: object
+    ) -> Request:
+        """The answer to ``question`` from ``chunks`` as a serving ``Request`` (for ``serving.execute`` or a
+        ``Scheduler``); kwargs are ``SamplingParams`` fields. Its clock starts now."""
+        return self._request(self._pieces(chunks, question), resolve_mode(mode), **kwargs)
+
     def _serve(
         self, pieces: _Pieces, mode: RecoveryMode, reference_ids: Sequence[int] | None = None, **kwargs: object
     ) -> Iterator[str | GenerationResult]:
+        request = self._request(pieces, mode, reference_ids, **kwargs)
+        yield from execute(self.lm, self._buffers, request, self._stop_ids)
+
+    def _request(
+        self, pieces: _Pieces, mode: RecoveryMode, reference_ids: Sequence[int] | None = None, **kwargs: object
+    ) -> Request:
         params = replace(SamplingParams(), **kwargs)  # type: ignore[arg-type]
         watch = Stopwatch()
         chunks, tail = pieces.chunks, pieces.tail_ids
@@ -245,11 +258,10 @@ class RagEngine:
                 token_ids=lambda chosen: [ids[i - head] for i in chosen],
                 positions=list,  # cache index = position: the chunks follow the head without gaps
             )
-        request = Request(
+        return Request(
             [head_part, *moved], tail, range(total, total + len(tail)), total + len(tail), params, refresh, calls,
             own_tokens=head if pieces.head_kv is None else 0, reference_ids=reference_ids, watch=watch,
         )  # fmt: skip
-        yield from execute(self.lm, self._buffers, request, self._stop_ids)
 
     def _select(
         self,

@@ -1,0 +1,322 @@
+"""Continuous batching: requests from many threads, decoded together, one token each per step.
+
+One worker thread owns decoding. Between steps it admits waiting requests (up to ``max_batch`` live): each is
+prefilled on its own (``executor.prefill``: splice, recovery, its new tokens) and its first token sampled; its
+shareable, unrefreshed parts are acquired from the ``SharedKVPool`` (one copy for every request that imports
+them) and the rest of its KV is copied into a row of the ``PrivateArena``; its buffer goes back to the pool.
+Each step then runs ``BatchDecodeStep`` over all live rows: the weights are read once per step, and shared KV
+once per step. A request the batched step cannot serve (a model it does not describe, a splice adapter or
+calibration at decode time, teacher-forced scoring) is served alone, advanced between the batched steps.
+
+Tokens reach the caller's thread through a queue; detokenizing, stop strings and timing run there
+(``run_generation``), and a caller that stops reading (a stop string, an abandoned stream) cancels its request.
+When ``queue_limit`` requests are waiting, ``submit`` refuses with ``ServerBusyError``: nothing is dropped
+silently. This module knows nothing about PML, chunks or HTTP.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from pc_rag.errors import KVPoolFullError, PCRagError, ServerBusyError
+from pc_rag.generate import DecodedTokens, GenerationResult, ReplyStream, eos_ids, run_generation, sample
+from pc_rag.kv import BufferPool, SpanKV, kv_shape
+from pc_rag.model import LoadedModel
+from pc_rag.serving.arena import PrivateArena
+from pc_rag.serving.batch_step import BatchDecodeStep, SharedRead
+from pc_rag.serving.executor import Prefilled, execute, prefill
+from pc_rag.serving.request import Request
+from pc_rag.serving.shared_pool import CHUNK_TOKENS, Segment, SharedKVPool
+
+logger = logging.getLogger(__name__)
+
+_END = object()
+
+
+@dataclass(frozen=True)
+class _Started:
+    """What the caller's thread needs to report a batched request: its first logits and (cached, computed)."""
+
+    logits: torch.Tensor
+    counts: tuple[int, int]
+
+
+class _Tokens(DecodedTokens):
+    """The token ids of one batched request, as the worker decodes them; ``cancelled`` when the caller stops."""
+
+    def __init__(self) -> None:
+        super().__init__(iter(()), [])
+        self.queue: queue.SimpleQueue[object] = queue.SimpleQueue()
+        self.cancelled = threading.Event()
+
+    def __next__(self) -> int:
+        item = self.queue.get()
+        if item is _END:
+            raise StopIteration
+        if isinstance(item, BaseException):
+            raise item
+        assert isinstance(item, int)
+        return item
+
+
+@dataclass(eq=False)
+class _Entry:
+    """A submitted request and the channel to its caller."""
+
+    request: Request
+    batched: bool
+    tokens: _Tokens = field(default_factory=_Tokens)
+
+
+@dataclass(eq=False)
+class _Live:
+    """A request decoding in the batch: its arena row, shared segments, sampler and the token it feeds next."""
+
+    entry: _Entry
+    row: int
+    segments: list[Segment]
+    generator: torch.Generator | None
+    step: int = 0  # tokens emitted so far
+    token: int = 0  # the last one, fed to the next step
+
+
+class Scheduler:
+    """Continuous batching on one model; ``submit`` and ``stream`` are thread-safe. See the module docstring."""
+
+    def __init__(
+        self, lm: LoadedModel, buffers: BufferPool | None = None, *, max_batch: int = 16, queue_limit: int = 64,
+        shared_tokens: int = 8192,
+    ) -> None:  # fmt: skip
+        self.lm = lm
+        self.buffers = buffers or BufferPool(lm.model)
+        self.max_batch, self.queue_limit = max_batch, queue_limit
+        self.stop_ids = eos_ids(lm.model, lm.tokenizer)
+        layers, heads, dim = kv_shape(lm.model)
+        chunks = -(-shared_tokens // CHUNK_TOKENS)
+        self.pool = SharedKVPool(layers, heads, dim, chunks=chunks, dtype=lm.dtype, device=lm.device)
+        self.arena = PrivateArena(layers, heads, dim, rows=max_batch, dtype=lm.dtype, device=lm.device)
+        self._step = BatchDecodeStep.of(lm.model)
+        self._waiting: deque[_Entry] = deque()
+        self._rows: list[_Live] = []  # by arena row
+        self._alone: list[tuple[_Entry, Iterator[str | GenerationResult]]] = []
+        self._lock = threading.Condition()
+        self._closed = False
+        self._worker: threading.Thread | None = None
+
+    def stream(self, request: Request) -> ReplyStream:
+        """Submit ``request`` and stream its reply (text deltas; ``.result`` at the end)."""
+        return ReplyStream(self.submit(request))
+
+    def submit(self, request: Request) -> Iterator[str | GenerationResult]:
+        """Queue ``request``; iterate the result for text deltas, then its ``GenerationResult``.
+
+        Raises ``ServerBusyError`` when ``queue_limit`` requests are already waiting."""
+        later = request.calls.later([])
+        batched = self._step is not None and later.is_plain and request.reference_ids is None
+        entry = _Entry(request, batched)
+        with self._lock:
+            if self._closed:
+                raise PCRagError("the scheduler is closed")
+            if len(self._waiting) >= self.queue_limit:
+                msg = f"{len(self._waiting)} requests are waiting (queue limit {self.queue_limit}); retry later"
+                raise ServerBusyError(msg)
+            self._waiting.append(entry)
+            if self._worker is None:
+                self._worker = threading.Thread(target=self._run, name="pc-rag-scheduler", daemon=True)
+                self._worker.start()
+            self._lock.notify()
+        return self._replies(entry)
+
+    def close(self) -> None:
+        """Stop the worker; requests not finished get a ``PCRagError``."""
+        with self._lock:
+            self._closed = True
+            self._lock.notify()
+        if self._worker is not None:
+            self._worker.join()
+
+    def kv_bytes(self) -> tuple[int, int]:
+        """(bytes the pool holds for live requests' shared segments, bytes those segments would take duplicated
+        in every request that reads them)."""
+        with self._lock:
+            tokens = sum(s.length for live in self._rows for s in live.segments)
+        return self.pool.held_bytes(), tokens * self.pool.chunk_bytes // CHUNK_TOKENS
+
+    @property
+    def live(self) -> int:
+        """Requests decoding now (batched and alone)."""
+        with self._lock:
+            return len(self._rows) + len(self._alone)
+
+    def _replies(self, entry: _Entry) -> Iterator[str | GenerationResult]:
+        tokens = entry.tokens
+        try:
+            first = tokens.queue.get()
+            if isinstance(first, BaseException):
+                raise first
+            if not entry.batched:  # served alone: the worker forwards the executor's items
+                item = first
+                while item is not _END:
+                    assert isinstance(item, str | GenerationResult)
+                    yield item
+                    item = tokens.queue.get()
+                    if isinstance(item, BaseException):
+                        raise item
+                return
+            assert isinstance(first, _Started)
+            request = entry.request
+            yield from run_generation(
+                tokens, self.lm.tokenizer, request.params, request.watch, first.logits, *first.counts
+            )
+        finally:
+            tokens.cancelled.set()
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                while not (self._waiting or self._rows or self._alone or self._closed):
+                    self._lock.wait()
+                if self._closed:
+                    break
+                room = self.max_batch - len(self._rows) - len(self._alone)
+                admitted = [self._waiting.popleft() for _ in range(min(room, len(self._waiting)))]
+            for entry in admitted:
+                try:
+                    self._admit(entry)
+                except Exception as e:  # noqa: BLE001 - the request's own failure (too long, bad input): its caller raises it
+                    entry.tokens.queue.put(e)
+            try:
+                self._step_batch()
+                self._step_alone()
+            except Exception as e:  # a failure of the step itself: every live request learns of it
+                logger.exception("decode step failed")
+                self._fail_all(e)
+        self._fail_all(PCRagError("the scheduler is closed"))
+
+    def _admit(self, entry: _Entry) -> None:
+        if not entry.batched:
+            items = execute(self.lm, self.buffers, entry.request, self.stop_ids)
+            with self._lock:
+                self._alone.append((entry, items))
+            return
+        done = prefill(self.lm, self.buffers, entry.request)
+        try:
+            segments, private = self._split(done)
+            buffer = done.buffer
+            index = torch.as_tensor(private, dtype=torch.long, device=buffer.keys.device)
+            keys, values = buffer.keys[:, 0].index_select(2, index), buffer.values[:, 0].index_select(2, index)
+        finally:
+            self.buffers.release(done.buffer)
+        params = entry.request.params
+        generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
+        entry.tokens.queue.put(_Started(done.logits, done.counts))
+        with self._lock:
+            live = _Live(entry, self.arena.admit(keys, values), segments, generator)
+            self._rows.append(live)
+        self._emit(live, done.logits)
+
+    def _split(self, done: Prefilled) -> tuple[list[Segment], list[int]]:
+        """The request's shared segments (acquired in the pool) and the cache indices of the rest of its KV."""
+        buffer, recomputed = done.buffer, set(done.recomputed)
+        segments, private, offset = [], [], 0
+        for part in done.request.parts:
+            end = offset + part.kv.length
+            span = range(offset, end)
+            shared = None
+            if part.share is not None and span and not recomputed.intersection(span):
+                kv = SpanKV(buffer.keys[:, 0, :, offset:end], buffer.values[:, 0, :, offset:end], part.kv.positions)
+                try:
+                    shared = self.pool.acquire(part.share, kv)
+                except KVPoolFullError:
+                    logger.info("shared pool full: a part of %d tokens stays private", len(span))
+            if shared is not None:
+                segments.append(shared)
+            else:
+                private.extend(span)
+            offset = end
+        private.extend(range(offset, done.length))
+        return segments, private
+
+    def _emit(self, live: _Live, logits: torch.Tensor) -> None:
+        """Sample the next token of ``live`` from ``logits`` [V] and send it; retire the request when it ends."""
+        params, tokens = live.entry.request.params, live.entry.tokens
+        if live.step < params.keep_logits:
+            tokens.step_logits.append(logits)
+        token = sample(logits, params, live.generator)
+        if tokens.cancelled.is_set() or token in self.stop_ids:
+            self._retire(live)
+            return
+        tokens.queue.put(token)
+        live.step += 1
+        live.token = token
+        if live.step == params.max_new_tokens:
+            self._retire(live)
+
+    def _retire(self, live: _Live) -> None:
+        live.entry.tokens.queue.put(_END)
+        with self._lock:
+            moved = self.arena.retire(live.row)
+            if moved is not None:
+                self._rows[live.row] = self._rows[moved]
+                self._rows[live.row].row = live.row
+            self._rows.pop()
+        for segment in live.segments:
+            self.pool.release(segment)
+
+    def _step_batch(self) -> None:
+        rows = list(self._rows)
+        if not rows:
+            return
+        readers: dict[int, tuple[Segment, list[int]]] = {}
+        for live in rows:
+            for segment in live.segments:
+                readers.setdefault(id(segment), (segment, []))[1].append(live.row)
+        reads = [SharedRead(s, torch.tensor(r, device=self.lm.device)) for s, r in readers.values()]
+        device = self.lm.device
+        tokens = torch.tensor([live.token for live in rows], device=device)
+        positions = torch.tensor([live.entry.request.next_position + live.step - 1 for live in rows], device=device)
+        assert self._step is not None
+        logits = self._step(tokens, positions, self.arena, self.pool, reads)
+        for live, row_logits in zip(rows, logits, strict=True):
+            self._emit(live, row_logits)
+
+    def _step_alone(self) -> None:
+        for entry, items in list(self._alone):
+            if entry.tokens.cancelled.is_set():
+                items.close()
+                ended = True
+            else:
+                try:
+                    entry.tokens.queue.put(next(items))
+                    ended = False
+                except StopIteration:
+                    entry.tokens.queue.put(_END)
+                    ended = True
+                except Exception as e:  # noqa: BLE001 - forwarded: the caller raises it
+                    entry.tokens.queue.put(e)
+                    ended = True
+            if ended:
+                with self._lock:
+                    self._alone.remove((entry, items))
+
+    def _fail_all(self, error: Exception) -> None:
+        with self._lock:
+            entries = [live.entry for live in self._rows] + [entry for entry, _ in self._alone] + list(self._waiting)
+            lives = list(self._rows)
+            self._rows.clear()
+            self._alone.clear()
+            self._waiting.clear()
+            while self.arena.active:
+                self.arena.retire(self.arena.active - 1)
+        for live in lives:
+            for segment in live.segments:
+                self.pool.release(segment)
+        for entry in entries:
+            entry.tokens.queue.put(error)

@@ -1,0 +1,133 @@
+"""Continuous batching answers every request exactly as serving it alone does, shares KV, and refuses overload."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+from conftest import tiny_model
+
+from pc_rag.engine import PromptCache
+from pc_rag.errors import ContextLengthError, PCRagError, ServerBusyError
+from pc_rag.generate import collect
+from pc_rag.rag import RagEngine, RagPrompt
+from pc_rag.serving.executor import execute
+from pc_rag.serving.scheduler import Scheduler, _Entry
+from pc_rag.serving.shared_pool import CHUNK_TOKENS
+
+SCHEMA = """<schema name="s"><system>You answer questions about cities and rivers.</system>
+<module name="facts">Paris lies on the Seine. The Danube ends in the Black Sea. Fuji is a volcano in Japan.</module>
+<module name="extra">Vienna and Budapest lie on the Danube.</module></schema>"""
+QUESTIONS = ["Where does the Danube end?", "Which river flows through Paris?", "Is Fuji a volcano?",
+             "Name two Danube cities.", "What is the Seine?", "Where is Fuji?"]  # fmt: skip
+
+
+def _prompt(question: str, extra: bool) -> str:
+    imports = "<facts/><extra/>" if extra else "<facts/>"
+    return f'<prompt schema="s">{imports}<user>{question}</user></prompt>'
+
+
+@pytest.fixture(scope="module", params=["llama", "gemma3"])  # gemma3: a model the batched step does not describe
+def cache(request, tokenizer) -> PromptCache:
+    pc = PromptCache(tiny_model(request.param, tokenizer))
+    pc.add_schema(SCHEMA)
+    return pc
+
+
+def _alone(pc: PromptCache, prompt: str, **kwargs) -> list[int]:
+    return collect(execute(pc.lm, pc._buffers, pc.request(prompt, **kwargs), pc._stop_ids)).token_ids
+
+
+def test_concurrent_requests_answer_exactly_as_served_alone(cache: PromptCache) -> None:
+    prompts = [_prompt(q, i % 2 == 0) for i, q in enumerate(QUESTIONS)] * 3
+    alone = [_alone(cache, p, max_new_tokens=12) for p in prompts]
+    scheduler = Scheduler(cache.lm, max_batch=5)
+    try:
+        with ThreadPoolExecutor(max_workers=8) as threads:
+            together = list(
+                threads.map(lambda p: collect(scheduler.submit(cache.request(p, max_new_tokens=12))).token_ids, prompts)
+            )
+    finally:
+        scheduler.close()
+    assert together == alone
+
+
+def test_sampled_requests_follow_their_seed(cache: PromptCache) -> None:
+    settings = {"max_new_tokens": 8, "temperature": 0.9, "top_k": 40, "seed": 7}
+    alone = _alone(cache, _prompt(QUESTIONS[0], True), **settings)
+    scheduler = Scheduler(cache.lm)
+    try:
+        streams = [scheduler.submit(cache.request(_prompt(q, True), **settings)) for q in QUESTIONS[:1] * 3]
+        assert [collect(s).token_ids for s in streams] == [alone] * 3
+    finally:
+        scheduler.close()
+
+
+def test_live_requests_share_one_copy_of_their_common_modules(tokenizer) -> None:
+    pc = PromptCache(tiny_model("llama", tokenizer))
+    pc.add_schema(SCHEMA)
+    scheduler = Scheduler(pc.lm)  # its worker is not started: the test admits and steps by hand
+    entries = [_Entry(pc.request(_prompt(q, True), max_new_tokens=4), True) for q in QUESTIONS[:4]]
+    for entry in entries:
+        scheduler._admit(entry)
+    held, duplicated = scheduler.kv_bytes()
+    segments = scheduler._rows[0].segments
+    assert len(segments) == 3 and all(live.segments == segments for live in scheduler._rows)  # system, 2 modules
+    per_token = scheduler.pool.chunk_bytes // CHUNK_TOKENS
+    assert held == sum(s.chunks for s in segments) * scheduler.pool.chunk_bytes  # stored once, in whole chunks
+    assert duplicated == 4 * sum(s.length for s in segments) * per_token > held
+    while scheduler._rows:
+        scheduler._step_batch()
+    assert scheduler.kv_bytes() == (0, 0)  # released, still cached for the next request that imports them
+
+
+def test_a_stop_string_ends_the_request_early(cache: PromptCache) -> None:
+    full = collect(
+        execute(
+            cache.lm, cache._buffers, cache.request(_prompt(QUESTIONS[1], False), max_new_tokens=16), cache._stop_ids
+        )
+    )
+    assert len(full.text) > 4
+    stop = full.text[2:4]
+    scheduler = Scheduler(cache.lm)
+    try:
+        result = collect(scheduler.submit(cache.request(_prompt(QUESTIONS[1], False), max_new_tokens=16, stop=(stop,))))
+    finally:
+        scheduler.close()
+    assert full.text.startswith(result.text) and stop not in result.text
+
+
+def test_a_failing_request_fails_alone(tokenizer) -> None:
+    engine = RagEngine(tiny_model("llama", tokenizer), RagPrompt())
+    chunks = engine.encode(["The Danube ends in the Black Sea."], "prefix")
+    scheduler = Scheduler(engine.lm)
+    try:
+        too_long = scheduler.submit(engine.request(chunks, "x " * 5000, "prefix"))
+        fine = scheduler.submit(engine.request(chunks, "Where does the Danube end?", "prefix", max_new_tokens=4))
+        with pytest.raises(ContextLengthError):
+            collect(too_long)
+        alone = collect(
+            execute(
+                engine.lm,
+                engine._buffers,
+                engine.request(chunks, "Where does the Danube end?", "prefix", max_new_tokens=4),
+                engine._stop_ids,
+            )
+        )
+        assert collect(fine).token_ids == alone.token_ids
+    finally:
+        scheduler.close()
+
+
+def test_overload_is_refused_and_closing_fails_what_waits(tokenizer, monkeypatch) -> None:
+    pc = PromptCache(tiny_model("llama", tokenizer))
+    pc.add_schema(SCHEMA)
+    scheduler = Scheduler(pc.lm, queue_limit=2)
+    monkeypatch.setattr(scheduler, "_run", lambda: None)  # a worker that never admits: requests wait
+    waiting = [scheduler.submit(pc.request(_prompt(q, False))) for q in QUESTIONS[:2]]
+    with pytest.raises(ServerBusyError, match="queue limit 2"):
+        scheduler.submit(pc.request(_prompt(QUESTIONS[2], False)))
+    scheduler._fail_all(PCRagError("the scheduler is closed"))
+    for stream in waiting:
+        with pytest.raises(PCRagError, match="closed"):
+            collect(stream)
