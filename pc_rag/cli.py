@@ -86,6 +86,11 @@ def main(argv: list[str] | None = None) -> int:
     codec.add_argument("--questions", type=_positive, default=5, help="sample questions whose passages are coded")
     codec.add_argument("--workers", type=_positive, default=2, help="decoding threads for the parallel column")
     codec.add_argument("--json", type=Path, default=None, help="write the rows as JSON here")
+    serve_bench = bench_kinds.add_parser("serve", help="many requests at once (continuous batching) vs one at a time")
+    serve_bench.add_argument("--concurrency", type=_positive, default=16, help="requests submitted together")
+    serve_bench.add_argument("--shared-tokens", type=_positive, default=1024, help="tokens every request imports")
+    serve_bench.add_argument("--new-tokens", type=_positive, default=32, help="tokens generated per request")
+    serve_bench.add_argument("--json", type=Path, default=None, help="write the result as JSON here")
     _add_eval_parser(commands)
     tune_cli.add_parsers(commands, _positive)
     args = parser.parse_args(argv)
@@ -210,6 +215,22 @@ def _run_bench(args: argparse.Namespace, lm: object) -> None:
         engine = RagEngine(lm, RagPrompt.longbench())
         rows = codec_benchmark(engine, _codec_for(lm), questions=args.questions, workers=args.workers)
         print(format_rows(rows))
+    elif args.kind == "serve":
+        import json
+        from dataclasses import asdict
+
+        from pc_rag.serve_bench import attention_benchmark, format_attention, format_serve, serve_benchmark
+
+        pc = PromptCache(lm)
+        sizes = {"concurrency": args.concurrency, "shared_tokens": args.shared_tokens}
+        result = serve_benchmark(pc, new_tokens=args.new_tokens, **sizes)
+        attention = attention_benchmark(pc, **sizes)
+        print(format_serve(result))
+        print(format_attention(attention))
+        if args.json:
+            out = {**asdict(result), "attention": [asdict(r) for r in attention]}
+            args.json.write_text(json.dumps(out, indent=2) + "\n")
+        return
     elif args.kind == "encode":
         from pc_rag.encode_bench import encode_benchmark, format_rows
 

@@ -57,7 +57,7 @@ class _Layer:
             q, k = rms_norm(attn.q_norm, q), rms_norm(attn.k_norm, k)
         q, k = apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), *rotary)
         v = v.view(1, 1, -1, attn.head_dim).transpose(1, 2)
-        x = x + attn.o_proj(_attend(q, k, v, keys, values, attn.scaling))
+        x = x + attn.o_proj(decode_attention(q, k, v, keys, values, attn.scaling))
         h = rms_norm(layer.post_attention_layernorm, x)
         if self.gate_up is not None:
             gate, up = self.gate_up(h)
@@ -127,7 +127,7 @@ class DecodeStep:
         return logits, torch.stack(new_keys), torch.stack(new_values)
 
 
-def _attend(
+def decode_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float
 ) -> torch.Tensor:
     """Grouped-query attention of the new token over the cache and itself: ``q`` [1, H, 1, D], ``k``/``v``

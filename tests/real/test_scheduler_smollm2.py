@@ -9,7 +9,6 @@ import pytest
 from pc_rag.engine import PromptCache
 from pc_rag.generate import collect
 from pc_rag.model import LoadedModel
-from pc_rag.serving.executor import execute
 from pc_rag.serving.scheduler import Scheduler
 
 pytestmark = pytest.mark.real_model
@@ -28,9 +27,7 @@ def test_sixteen_requests_together_answer_as_alone(smollm2: LoadedModel) -> None
     pc = PromptCache(smollm2)
     pc.add_schema(SCHEMA)
     prompts = [f'<prompt schema="guide"><paris/><japan/><user>{q}</user></prompt>' for q in QUESTIONS * 2]
-    alone = [
-        collect(execute(pc.lm, pc._buffers, pc.request(p, max_new_tokens=12), pc._stop_ids)).token_ids for p in prompts
-    ]
+    alone = [pc.generate(p, max_new_tokens=12).token_ids for p in prompts]
     scheduler = Scheduler(pc.lm, max_batch=16)
     try:
         with ThreadPoolExecutor(max_workers=16) as threads:

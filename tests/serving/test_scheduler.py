@@ -11,7 +11,6 @@ from pc_rag.engine import PromptCache
 from pc_rag.errors import ContextLengthError, PCRagError, ServerBusyError
 from pc_rag.generate import collect
 from pc_rag.rag import RagEngine, RagPrompt
-from pc_rag.serving.executor import execute
 from pc_rag.serving.scheduler import Scheduler, _Entry
 from pc_rag.serving.shared_pool import CHUNK_TOKENS
 
@@ -35,7 +34,7 @@ def cache(request, tokenizer) -> PromptCache:
 
 
 def _alone(pc: PromptCache, prompt: str, **kwargs) -> list[int]:
-    return collect(execute(pc.lm, pc._buffers, pc.request(prompt, **kwargs), pc._stop_ids)).token_ids
+    return pc.generate(prompt, **kwargs).token_ids
 
 
 def test_concurrent_requests_answer_exactly_as_served_alone(cache: PromptCache) -> None:
@@ -82,11 +81,7 @@ def test_live_requests_share_one_copy_of_their_common_modules(tokenizer) -> None
 
 
 def test_a_stop_string_ends_the_request_early(cache: PromptCache) -> None:
-    full = collect(
-        execute(
-            cache.lm, cache._buffers, cache.request(_prompt(QUESTIONS[1], False), max_new_tokens=16), cache._stop_ids
-        )
-    )
+    full = cache.generate(_prompt(QUESTIONS[1], False), max_new_tokens=16)
     assert len(full.text) > 4
     stop = full.text[2:4]
     scheduler = Scheduler(cache.lm)
@@ -106,14 +101,7 @@ def test_a_failing_request_fails_alone(tokenizer) -> None:
         fine = scheduler.submit(engine.request(chunks, "Where does the Danube end?", "prefix", max_new_tokens=4))
         with pytest.raises(ContextLengthError):
             collect(too_long)
-        alone = collect(
-            execute(
-                engine.lm,
-                engine._buffers,
-                engine.request(chunks, "Where does the Danube end?", "prefix", max_new_tokens=4),
-                engine._stop_ids,
-            )
-        )
+        alone = engine.answer(chunks, "Where does the Danube end?", "prefix", max_new_tokens=4)
         assert collect(fine).token_ids == alone.token_ids
     finally:
         scheduler.close()

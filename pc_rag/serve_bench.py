@@ -1,0 +1,206 @@
+"""``pc-rag bench serve``: many requests at once through the scheduler against one at a time, and the attention step.
+
+The workload: one schema whose system turn and modules (bundled sample passages) make ``shared_tokens`` tokens,
+and ``concurrency`` prompts that import all of it and add a user turn of 64-128 private tokens, each generating
+``new_tokens`` greedily. One at a time is ``serving.execute`` per request, in turn; together is every request
+submitted to a ``Scheduler`` from its own thread at once. Generated tokens per second of wall time are compared,
+answers are checked token for token, and the KV held for the shared part is read while all requests are live.
+
+``attention_benchmark`` times one layer's attention for a decode step: the two-phase partition attention of
+``concurrency`` queries sharing ``shared_tokens`` keys against SDPA over the same keys duplicated per query; and,
+with no sharing, partition attention of one query against today's single-sequence decode attention. This module
+knows nothing about HTTP.
+"""
+
+from __future__ import annotations
+
+import statistics
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from pc_rag.decode_step import decode_attention
+from pc_rag.engine import PromptCache
+from pc_rag.generate import collect
+from pc_rag.kv import kv_shape
+from pc_rag.pml.nodes import Import, Module, Prompt, Role, Schema, Text
+from pc_rag.sample import sample_questions
+from pc_rag.serving.partition_attention import SharedRun, partition_attention
+from pc_rag.serving.scheduler import Scheduler
+from pc_rag.timing import timed_runs
+
+SYSTEM = "You are a concise assistant. Answer the question from the passages."
+
+
+@dataclass
+class ServeResult:
+    concurrency: int
+    shared_tokens: int
+    new_tokens: int
+    tokens_per_s: float
+    single_tokens_per_s: float
+    speedup: float
+    identical: bool
+    shared_kv_bytes: int
+    duplicated_kv_bytes: int
+    generated_tokens: int
+
+
+@dataclass
+class AttentionRow:
+    case: str  # "shared" (concurrency queries over shared_tokens keys) or "unshared" (one query)
+    queries: int
+    keys: int
+    partition_us: float
+    baseline: str  # "sdpa-duplicated", "decode-duplicated" (today's decode step per query) or "decode"
+    baseline_us: float
+    speedup: float
+
+
+def serve_benchmark(
+    pc: PromptCache, *, concurrency: int = 16, shared_tokens: int = 1024, new_tokens: int = 32
+) -> ServeResult:
+    """See the module docstring."""
+    prompts = _workload(pc, concurrency, shared_tokens)
+    began = time.perf_counter()
+    alone = [pc.generate(p, max_new_tokens=new_tokens) for p in prompts]
+    single_s = time.perf_counter() - began
+    scheduler = Scheduler(pc.lm, max_batch=concurrency, shared_tokens=2 * shared_tokens)
+    results: list[list[int]] = [[] for _ in prompts]
+    kv = (0, 0)
+    try:
+        collect(scheduler.submit(pc.request(prompts[0], max_new_tokens=2)))  # warm-up: worker thread, first buffers
+        ready = threading.Barrier(concurrency + 1)
+
+        def ask(i: int) -> None:
+            ready.wait()
+            results[i] = collect(scheduler.submit(pc.request(prompts[i], max_new_tokens=new_tokens))).token_ids
+
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(concurrency)]
+        for t in threads:
+            t.start()
+        ready.wait()
+        began = time.perf_counter()
+        while scheduler.live < concurrency and any(t.is_alive() for t in threads):
+            time.sleep(0.001)
+        kv = max(kv, scheduler.kv_bytes())  # every request live: what the shared part holds, and would duplicated
+        for t in threads:
+            t.join()
+        together_s = time.perf_counter() - began
+    finally:
+        scheduler.close()
+    generated = sum(len(r.token_ids) for r in alone)
+    tokens_per_s, single = generated / together_s, generated / single_s
+    return ServeResult(
+        concurrency, shared_tokens, new_tokens, tokens_per_s, single, tokens_per_s / single,
+        results == [r.token_ids for r in alone], kv[0], kv[1], generated,
+    )  # fmt: skip
+
+
+def _workload(pc: PromptCache, concurrency: int, shared_tokens: int) -> list[Prompt]:
+    """A schema of the system turn and sample passages up to ``shared_tokens`` tokens; prompts importing it all."""
+    passages = [f"{title}: {text}" for q in sample_questions() for title, text in q.passages]
+    modules, used = [], len(pc.tokenize(SYSTEM))
+    while used < shared_tokens:
+        text = passages[len(modules)]
+        ids = pc.tokenize(text)[: shared_tokens - used]
+        modules.append(Module(f"p{len(modules)}", (Text(pc.lm.tokenizer.decode(ids)),)))
+        used += len(ids)
+    pc.add_schema(Schema("serve-bench", (Role("system", (Text(SYSTEM),)), *modules)))
+    questions = [q.question for q in sample_questions()]
+    prompts = []
+    for i in range(concurrency):
+        private = 64 + (64 * i) // max(1, concurrency - 1)  # 64..128 tokens of the user's own
+        context = pc.tokenize(passages[-1 - i])
+        question = pc.tokenize(f"\nQuestion: {questions[i % len(questions)]}")
+        user = pc.lm.tokenizer.decode(context[: max(0, private - len(question))] + question)
+        imports = tuple(Import(m.name) for m in modules)
+        prompts.append(Prompt("serve-bench", (*imports, Role("user", (Text(user),)))))
+    return prompts
+
+
+def attention_benchmark(
+    pc: PromptCache, *, concurrency: int = 16, shared_tokens: int = 1024, private_tokens: int = 128, runs: int = 50
+) -> list[AttentionRow]:
+    """Median microseconds of one layer's decode attention; see the module docstring."""
+    _, kv_heads, dim = kv_shape(pc.lm.model)
+    heads = pc.lm.model.config.get_text_config().num_attention_heads
+    g = torch.Generator().manual_seed(0)
+    dtype = pc.lm.dtype
+    shared = torch.randn(2, kv_heads, shared_tokens, dim, generator=g).to(dtype)
+    private = torch.randn(2, concurrency, kv_heads, private_tokens, dim, generator=g).to(dtype)
+    query = torch.randn(concurrency, heads, dim, generator=g).to(dtype)
+    lengths = torch.full((concurrency,), private_tokens)
+    scale = dim**-0.5
+    run = SharedRun(shared[0], shared[1], torch.arange(concurrency))
+    duplicated_k = torch.cat([shared[0].expand(concurrency, -1, -1, -1), private[0]], dim=2)
+    duplicated_v = torch.cat([shared[1].expand(concurrency, -1, -1, -1), private[1]], dim=2)
+
+    def two_phase() -> None:
+        partition_attention(query, [run], private[0], private[1], lengths, scale)
+
+    def sdpa() -> None:
+        F.scaled_dot_product_attention(query[:, :, None], duplicated_k, duplicated_v, scale=scale, enable_gqa=True)
+
+    rows_q = query[:, :, None]  # [B, H, 1, D]
+
+    def decode_each() -> None:  # what serving each request on its own does today
+        for b in range(concurrency):
+            k, v = duplicated_k[b : b + 1], duplicated_v[b : b + 1]
+            decode_attention(rows_q[b : b + 1], k[:, :, -1:], v[:, :, -1:], k[:, :, :-1], v[:, :, :-1], scale)
+
+    alone_k = duplicated_k[:1].contiguous()
+    alone_v = duplicated_v[:1].contiguous()
+    q1 = query[:1, :, None]  # [1, H, 1, D]
+    own_k, own_v = alone_k[:, :, -1:], alone_v[:, :, -1:]
+
+    def today() -> None:
+        decode_attention(q1, own_k, own_v, alone_k[:, :, :-1], alone_v[:, :, :-1], scale)
+
+    one_length = torch.tensor([alone_k.shape[2]])
+
+    def unshared() -> None:
+        partition_attention(query[:1], [], alone_k, alone_v, one_length, scale)
+
+    with torch.inference_mode():
+        two_phase_us, sdpa_us, each_us, unshared_us, today_us = (
+            _median_us(f, runs) for f in (two_phase, sdpa, decode_each, unshared, today)
+        )
+    keys = shared_tokens + private_tokens
+    return [
+        AttentionRow("shared", concurrency, keys, two_phase_us, "sdpa-duplicated", sdpa_us, sdpa_us / two_phase_us),
+        AttentionRow("shared", concurrency, keys, two_phase_us, "decode-duplicated", each_us, each_us / two_phase_us),
+        AttentionRow("unshared", 1, keys, unshared_us, "decode", today_us, today_us / unshared_us),
+    ]
+
+
+def _median_us(run: object, repeats: int) -> float:
+    return 1e6 * statistics.median(timed_runs(run, repeats))  # type: ignore[arg-type]
+
+
+def format_serve(result: ServeResult) -> str:
+    r = result
+    saved = 1 - r.shared_kv_bytes / r.duplicated_kv_bytes if r.duplicated_kv_bytes else 0.0
+    return (
+        f"{r.concurrency} requests, {r.shared_tokens} shared tokens, {r.new_tokens} new tokens each\n"
+        f"one at a time: {r.single_tokens_per_s:,.1f} tokens/s   together: {r.tokens_per_s:,.1f} tokens/s   "
+        f"({r.speedup:.2f}x)\n"
+        f"identical answers: {r.identical}   shared KV held: {r.shared_kv_bytes / 2**20:,.1f} MiB, duplicated: "
+        f"{r.duplicated_kv_bytes / 2**20:,.1f} MiB ({saved:.0%} less)"
+    )
+
+
+def format_attention(rows: list[AttentionRow]) -> str:
+    lines = [
+        f"{'case':<9} {'queries':>7} {'keys':>6} {'two-phase us':>12} {'baseline':<18} {'baseline us':>11} "
+        f"{'speedup':>8}"
+    ]
+    for r in rows:
+        lines.append(
+            f"{r.case:<9} {r.queries:>7} {r.keys:>6} {r.partition_us:>12,.1f} {r.baseline:<18} {r.baseline_us:>11,.1f} "
+            f"{r.speedup:>7.2f}x"
+        )
+    return "\n".join(lines)
