@@ -21,7 +21,7 @@ from transformers import PreTrainedModel
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from pc_rag.decode_step import describes, rms_norm
-from pc_rag.serving.arena import PrivateArena
+from pc_rag.serving.arena import CAPACITY_STEP, PrivateArena
 from pc_rag.serving.partition_attention import SharedRun, partition_attention
 from pc_rag.serving.shared_pool import Segment, SharedKVPool
 from pc_rag.weights import KERNEL_ROWS, FusedKernel
@@ -74,12 +74,41 @@ class BatchDecodeStep:
         x = decoder.embed_tokens(tokens[index, None])  # [padded, 1, hidden]
         rotary = decoder.rotary_emb(x, positions[index, None])
         lengths = arena.lengths[:batch]
-        reads = sorted(reads, key=lambda r: r.segment.start)  # a row's parts merge in one order, whoever else reads
+        # the private keys to read: the longest row's, rounded up (any multiple of CAPACITY_STEP gives the same bits)
+        private = min(arena.capacity, -(-(int(lengths.max()) + 1) // CAPACITY_STEP) * CAPACITY_STEP)
+        groups = _runs(reads) if pool is not None else []
         for layer_index, layer in enumerate(self._layers):
-            runs = [SharedRun(*pool.view(r.segment, layer_index), r.rows) for r in reads] if pool is not None else []
-            x = layer(x, rotary, arena.keys[layer_index], arena.values[layer_index], rows, lengths, runs)
+            runs = [SharedRun(*pool.span(a, b, layer_index), readers, mask) for a, b, readers, mask in groups]
+            keys, values = arena.keys[layer_index], arena.values[layer_index]
+            x = layer(x, rotary, keys, values, rows, lengths, runs, private)
         arena.lengths[:batch] += 1
         return self._model.lm_head(rms_norm(decoder.norm, x))[:batch, -1]
+
+
+def _runs(reads: Sequence[SharedRead]) -> list[tuple[int, int, torch.Tensor, torch.Tensor | None]]:
+    """Shared reads as attention runs ``(start, end, readers, mask)`` in pool order: segments stored back to back
+    and read by the same rows form one run, the padding between them masked.
+
+    A row's parts then merge in pool order, whoever else reads: alone or in a batch whose rows read the same
+    segments, a row gets the same bits (rows that read different segments can split a run: then equal to fp32
+    rounding)."""
+    groups: list[tuple[list[Segment], torch.Tensor]] = []
+    for read in sorted(reads, key=lambda r: r.segment.start):
+        last = groups[-1] if groups else None
+        if last is not None and read.segment.follows(last[0][-1]) and torch.equal(read.rows, last[1]):
+            last[0].append(read.segment)
+        else:
+            groups.append(([read.segment], read.rows))
+    runs = []
+    for segments, readers in groups:
+        start, end = segments[0].start, segments[-1].end
+        mask = None
+        if len(segments) > 1:
+            mask = torch.full((end - start,), float("-inf"), device=readers.device)
+            for segment in segments:
+                mask[segment.start - start : segment.end - start] = 0
+        runs.append((start, end, readers, mask))
+    return runs
 
 
 class _BatchLayer:
@@ -93,10 +122,11 @@ class _BatchLayer:
 
     def __call__(
         self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], keys: torch.Tensor, values: torch.Tensor,
-        rows: torch.Tensor, lengths: torch.Tensor, runs: list[SharedRun],
+        rows: torch.Tensor, lengths: torch.Tensor, runs: list[SharedRun], private: int,
     ) -> torch.Tensor:  # fmt: skip
         """``x`` [padded, 1, hidden] -> [padded, 1, hidden] (rows past B pad the matmuls: see ``MIN_ROWS``); writes
-        each live row's new key and value into ``keys``/``values`` [rows, H_kv, capacity, D] at ``lengths[b]``."""
+        each live row's new key and value into ``keys``/``values`` [rows, H_kv, capacity, D] at ``lengths[b]``, and
+        attends to the first ``private`` entries of each row."""
         layer = self.layer
         attn, mlp = layer.self_attn, layer.mlp
         padded, batch = x.shape[0], rows.shape[0]
@@ -112,7 +142,8 @@ class _BatchLayer:
         q, k = apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), *rotary)  # [padded, H(_kv), 1, D]
         keys[rows, :, lengths] = k[:batch, :, 0]
         values[rows, :, lengths] = v[:batch].view(batch, -1, attn.head_dim)
-        out = partition_attention(q[:batch, :, 0], runs, keys[:batch], values[:batch], lengths + 1, attn.scaling)
+        own_keys, own_values = keys[:batch, :, :private], values[:batch, :, :private]
+        out = partition_attention(q[:batch, :, 0], runs, own_keys, own_values, lengths + 1, attn.scaling)
         out = torch.cat([out, out[:1].expand(padded - batch, -1, -1)])  # [padded, H, D]
         x = x + attn.o_proj(out.reshape(padded, 1, -1))
         h = rms_norm(layer.post_attention_layernorm, x)

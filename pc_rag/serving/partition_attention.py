@@ -30,11 +30,13 @@ MIN_QUERIES = 4
 
 @dataclass(frozen=True)
 class SharedRun:
-    """One layer's view of a run of shared KV and the batch rows that attend to it."""
+    """One layer's view of a run of shared KV and the batch rows that attend to it; ``mask`` (additive, [S]) hides
+    keys no reader may see (padding between segments stored back to back)."""
 
     keys: torch.Tensor  # [H_kv, S, D]
     values: torch.Tensor  # [H_kv, S, D]
     readers: torch.Tensor  # [n] long, distinct batch rows
+    mask: torch.Tensor | None = None  # [S], 0 or -inf
 
 
 def partition_attention(
@@ -60,8 +62,9 @@ def partition_attention(
         n = run.readers.shape[0]
         q = grouped[run.readers].transpose(0, 1).reshape(1, kv_heads, n * n_rep, dim)
         pad = max(0, MIN_QUERIES - n * n_rep)  # repeated queries, dropped after
+        mask = run.mask[None, None, None, :] if run.mask is not None else None
         o, lse_run = attend_with_lse(torch.cat([q, q[:, :, :1].expand(-1, -1, pad, -1)], 2), run.keys[None],
-                                     run.values[None], None, scale)  # fmt: skip
+                                     run.values[None], mask, scale)  # fmt: skip
         outs.append(o[:, :, : n * n_rep].reshape(kv_heads, n, n_rep, dim).transpose(0, 1).float())
         lses.append(lse_run[:, :, : n * n_rep].reshape(kv_heads, n, n_rep).transpose(0, 1).float())
         rows.append(run.readers)
@@ -92,9 +95,16 @@ def attend_with_lse(
     matmuls and a softmax, which a GPU runs well at decode sizes."""
     if FLASH_CPU is not None and query.device.type == "cpu":
         return FLASH_CPU(query, keys, values, attn_mask=mask, scale=scale)
+    out, lse = _attend_matmul(query, keys, values, mask, scale)
+    return out.to(query.dtype), lse
+
+
+def _attend_matmul(
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``attend_with_lse`` by matmuls and a softmax, output in float32 (devices without the fused kernel)."""
     scores = torch.matmul(query.float(), keys.float().transpose(-1, -2)) * scale
     if mask is not None:
         scores = scores + mask
     lse = torch.logsumexp(scores, dim=-1)
-    out = torch.matmul(torch.exp(scores - lse[..., None]), values.float())
-    return out.to(query.dtype), lse
+    return torch.matmul(torch.exp(scores - lse[..., None]), values.float()), lse

@@ -109,6 +109,7 @@ class Scheduler:
         self._lock = threading.Condition()
         self._closed = False
         self._worker: threading.Thread | None = None
+        self.peak_kv_bytes = (0, 0)  # ``kv_bytes`` when the most requests shared the pool
 
     def stream(self, request: Request) -> ReplyStream:
         """Submit ``request`` and stream its reply (text deltas; ``.result`` at the end)."""
@@ -146,7 +147,10 @@ class Scheduler:
         """(bytes the pool holds for live requests' shared segments, bytes those segments would take duplicated
         in every request that reads them)."""
         with self._lock:
-            tokens = sum(s.length for live in self._rows for s in live.segments)
+            return self._kv_bytes()
+
+    def _kv_bytes(self) -> tuple[int, int]:
+        tokens = sum(s.length for live in self._rows for s in live.segments)
         return self.pool.held_bytes(), tokens * self.pool.chunk_bytes // CHUNK_TOKENS
 
     @property
@@ -220,6 +224,7 @@ class Scheduler:
         with self._lock:
             live = _Live(entry, self.arena.admit(keys, values), segments, generator)
             self._rows.append(live)
+            self.peak_kv_bytes = max(self.peak_kv_bytes, self._kv_bytes(), key=lambda held_dup: held_dup[1])
         self._emit(live, done.logits)
 
     def _split(self, done: Prefilled) -> tuple[list[Segment], list[int]]:

@@ -49,6 +49,15 @@ class Segment:
     def start(self) -> int:
         return self.first_chunk * CHUNK_TOKENS
 
+    @property
+    def end(self) -> int:
+        """One past its last token in the pool (its last chunk may have room after it)."""
+        return self.start + self.length
+
+    def follows(self, other: Segment) -> bool:
+        """Whether this segment's chunks come right after ``other``'s in the pool."""
+        return self.first_chunk == other.first_chunk + other.chunks
+
 
 class SharedKVPool:
     """Fixed-size chunks of shared KV; thread-safe. ``chunks`` of ``CHUNK_TOKENS`` tokens each, allocated up front."""
@@ -94,8 +103,11 @@ class SharedKVPool:
 
     def view(self, segment: Segment, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of ``segment`` at ``layer``: views [H_kv, S, D] of the pool."""
-        span = slice(segment.start, segment.start + segment.length)
-        return self.keys[layer, :, span], self.values[layer, :, span]
+        return self.span(segment.start, segment.start + segment.length, layer)
+
+    def span(self, start: int, end: int, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of pool tokens ``start:end`` at ``layer``: views [H_kv, end - start, D]."""
+        return self.keys[layer, :, start:end], self.values[layer, :, start:end]
 
     def held_bytes(self) -> int:
         """Bytes of the chunks that segments held by live requests occupy."""
@@ -123,6 +135,9 @@ class SharedKVPool:
         span = slice(segment.start, segment.start + length)
         self.keys[:, :, span] = kv.keys
         self.values[:, :, span] = kv.values
+        tail = slice(segment.start + length, segment.start + chunks * CHUNK_TOKENS)  # finite padding: a run that
+        self.keys[:, :, tail] = 0  # spans segments stored back to back masks it out, and a NaN would survive that
+        self.values[:, :, tail] = 0
         self._segments[key] = segment
         return segment
 
