@@ -161,7 +161,7 @@ def packed_gqa_attention(
     window: int | None = kwargs.get("sliding_window")  # type: ignore[assignment]
     if blocks is None and attention_mask is None and 1 < q_len < k_len:
         if window is None and FLASH_CPU is not None and query.device.type == "cpu" and not kwargs.get("softcap"):
-            return _after_cache(query, key, value, scaling), None
+            return attend_after_cache(query, key, value, scaling), None
         blocks = QueryBlocks.after(k_len - q_len, q_len, query.device)
     if isinstance(blocks, QueryBlocks):
         assert not dropout and not kwargs.get("softcap"), "serving attention has no dropout or softcap"
@@ -208,7 +208,7 @@ def _blocked(
     return out.view(batch, q_len, heads, dim)
 
 
-def _after_cache(
+def attend_after_cache(
     query: torch.Tensor,  # [B, H, Q, D]: the last Q keys' own queries
     key: torch.Tensor,  # [B, H_kv, S, D]
     value: torch.Tensor,

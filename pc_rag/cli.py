@@ -219,12 +219,10 @@ def _run_bench(args: argparse.Namespace, lm: object) -> None:
         import json
         from dataclasses import asdict
 
-        from pc_rag.serve_bench import attention_benchmark, format_attention, format_serve, serve_benchmark
+        from pc_rag.serve_bench import format_attention, format_serve, run_serve_bench
 
-        pc = PromptCache(lm)
-        sizes = {"concurrency": args.concurrency, "shared_tokens": args.shared_tokens}
-        result = serve_benchmark(pc, new_tokens=args.new_tokens, **sizes)
-        attention = attention_benchmark(pc, **sizes)
+        sizes = {"concurrency": args.concurrency, "shared_tokens": args.shared_tokens, "new_tokens": args.new_tokens}
+        result, attention = run_serve_bench(PromptCache(lm), **sizes)
         print(format_serve(result))
         print(format_attention(attention))
         if args.json:

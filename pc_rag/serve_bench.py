@@ -2,10 +2,11 @@
 
 The workload: one schema whose system turn and modules (bundled sample passages) make ``shared_tokens`` tokens,
 and ``concurrency`` prompts that import all of it and add a user turn of 64-128 private tokens, each generating
-``new_tokens`` greedily. One at a time is ``serving.execute`` per request, in turn; together is every request
-submitted to a ``Scheduler`` from its own thread at once. Generated tokens per second of wall time are compared,
-answers are checked token for token, and the KV held for the shared part is read when the most requests were
-live.
+``new_tokens`` greedily. One at a time is ``PromptCache.generate`` per request, in turn (run on the scheduler's
+worker thread, like the batched run); together is every request submitted to a ``Scheduler`` from its own thread
+at once. Generated tokens per second of wall time are compared, answers are checked token for token against each
+request submitted alone to the scheduler (and against one at a time), and the KV held for the shared part is read
+when the most requests were live. ``run_serve_bench`` runs both benchmarks on one scheduler's worker thread.
 
 ``attention_benchmark`` times one layer's attention for a decode step: the two-phase partition attention of
 ``concurrency`` queries sharing ``shared_tokens`` keys against SDPA over the same keys duplicated per query; and,
@@ -18,6 +19,7 @@ from __future__ import annotations
 import statistics
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -31,7 +33,6 @@ from pc_rag.pml.nodes import Import, Module, Prompt, Role, Schema, Text
 from pc_rag.sample import sample_questions
 from pc_rag.serving.partition_attention import SharedRun, partition_attention
 from pc_rag.serving.scheduler import Scheduler
-from pc_rag.timing import timed_runs
 
 SYSTEM = "You are a concise assistant. Answer the question from the passages."
 
@@ -44,7 +45,8 @@ class ServeResult:
     tokens_per_s: float
     single_tokens_per_s: float
     speedup: float
-    identical: bool
+    identical: bool  # every answer together equals the same request submitted alone to the scheduler
+    identical_to_unbatched: bool  # ... and equals it served one at a time without the scheduler (fp32 rounding apart)
     shared_kv_bytes: int
     duplicated_kv_bytes: int
     generated_tokens: int
@@ -61,39 +63,55 @@ class AttentionRow:
     speedup: float
 
 
-def serve_benchmark(
-    pc: PromptCache, *, concurrency: int = 16, shared_tokens: int = 1024, new_tokens: int = 32
-) -> ServeResult:
-    """See the module docstring."""
-    prompts = _workload(pc, concurrency, shared_tokens)
-    began = time.perf_counter()
-    alone = [pc.generate(p, max_new_tokens=new_tokens) for p in prompts]
-    single_s = time.perf_counter() - began
+def run_serve_bench(
+    pc: PromptCache, *, concurrency: int = 16, shared_tokens: int = 1024, new_tokens: int = 32, runs: int = 200
+) -> tuple[ServeResult, list[AttentionRow]]:
+    """``serve_benchmark`` and ``attention_benchmark``, the scheduler serving on this thread (which loaded the model)
+    and every model call made there: one thread drives torch (see ``Scheduler.call``)."""
     scheduler = Scheduler(pc.lm, max_batch=concurrency, shared_tokens=2 * shared_tokens)
+    sizes = {"concurrency": concurrency, "shared_tokens": shared_tokens, "runs": runs}
+
+    def both() -> tuple[ServeResult, list[AttentionRow]]:
+        result = serve_benchmark(pc, scheduler, shared_tokens=shared_tokens, new_tokens=new_tokens)
+        return result, scheduler.call(lambda: attention_benchmark(pc, **sizes))
+
+    return scheduler.run(both)
+
+
+def serve_benchmark(
+    pc: PromptCache, scheduler: Scheduler, *, shared_tokens: int = 1024, new_tokens: int = 32
+) -> ServeResult:
+    """See the module docstring; ``scheduler.max_batch`` requests at once."""
+    concurrency = scheduler.max_batch
+    prompts = scheduler.call(lambda: _workload(pc, concurrency, shared_tokens))
     results: list[list[int]] = [[] for _ in prompts]
-    try:
-        collect(scheduler.submit(pc.request(prompts[0], max_new_tokens=2)))  # warm-up: worker thread, first buffers
-        ready = threading.Barrier(concurrency + 1)
+    # one at a time, as ``generate`` serves without the scheduler, but on its worker thread: one thread drives
+    # torch's CPU threads in both runs (see ``Scheduler.call``)
+    scheduler.call(lambda: pc.generate(prompts[0], max_new_tokens=2))  # warm-up: worker thread, first buffers
+    began = time.perf_counter()
+    alone = [scheduler.call(lambda p=p: pc.generate(p, max_new_tokens=new_tokens)) for p in prompts]
+    single_s = time.perf_counter() - began
+    collect(scheduler.submit(pc.request(prompts[0], max_new_tokens=2)))  # warm-up of the batched paths
+    ready = threading.Barrier(concurrency + 1)
 
-        def ask(i: int) -> None:
-            ready.wait()
-            results[i] = collect(scheduler.submit(pc.request(prompts[i], max_new_tokens=new_tokens))).token_ids
-
-        threads = [threading.Thread(target=ask, args=(i,)) for i in range(concurrency)]
-        for t in threads:
-            t.start()
+    def ask(i: int) -> None:
         ready.wait()
-        began = time.perf_counter()
-        for t in threads:
-            t.join()
-        together_s = time.perf_counter() - began
-    finally:
-        scheduler.close()
+        results[i] = collect(scheduler.submit(pc.request(prompts[i], max_new_tokens=new_tokens))).token_ids
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(concurrency)]
+    for t in threads:
+        t.start()
+    ready.wait()
+    began = time.perf_counter()
+    for t in threads:
+        t.join()
+    together_s = time.perf_counter() - began
+    served_alone = [collect(scheduler.submit(pc.request(p, max_new_tokens=new_tokens))).token_ids for p in prompts]
     generated = sum(len(r.token_ids) for r in alone)
     tokens_per_s, single = generated / together_s, generated / single_s
     return ServeResult(
         concurrency, shared_tokens, new_tokens, tokens_per_s, single, tokens_per_s / single,
-        results == [r.token_ids for r in alone], *scheduler.peak_kv_bytes, generated,
+        results == served_alone, results == [r.token_ids for r in alone], *scheduler.peak_kv_bytes, generated,
     )  # fmt: skip
 
 
@@ -120,7 +138,7 @@ def _workload(pc: PromptCache, concurrency: int, shared_tokens: int) -> list[Pro
 
 
 def attention_benchmark(
-    pc: PromptCache, *, concurrency: int = 16, shared_tokens: int = 1024, private_tokens: int = 128, runs: int = 50
+    pc: PromptCache, *, concurrency: int = 16, shared_tokens: int = 1024, private_tokens: int = 128, runs: int = 200
 ) -> list[AttentionRow]:
     """Median microseconds of one layer's decode attention; see the module docstring."""
     _, kv_heads, dim = kv_shape(pc.lm.model)
@@ -163,8 +181,8 @@ def attention_benchmark(
         partition_attention(query[:1], [], alone_k, alone_v, one_length, scale)
 
     with torch.inference_mode():
-        two_phase_us, sdpa_us, each_us, unshared_us, today_us = (
-            _median_us(f, runs) for f in (two_phase, sdpa, decode_each, unshared, today)
+        two_phase_us, sdpa_us, each_us, unshared_us, today_us = _interleaved_medians_us(
+            [two_phase, sdpa, decode_each, unshared, today], runs
         )
     keys = shared_tokens + private_tokens
     return [
@@ -174,8 +192,17 @@ def attention_benchmark(
     ]
 
 
-def _median_us(run: object, repeats: int) -> float:
-    return 1e6 * statistics.median(timed_runs(run, repeats))  # type: ignore[arg-type]
+def _interleaved_medians_us(contenders: list[Callable[[], None]], rounds: int) -> list[float]:
+    """Median microseconds of each contender, timed in turn within every round (after one warm-up round), so the
+    machine's drift falls on all of them alike."""
+    times: list[list[float]] = [[] for _ in contenders]
+    for round_ in range(rounds + 1):
+        for run, spent in zip(contenders, times, strict=True):
+            began = time.perf_counter()
+            run()
+            if round_:
+                spent.append(time.perf_counter() - began)
+    return [1e6 * statistics.median(spent) for spent in times]
 
 
 def format_serve(result: ServeResult) -> str:
@@ -185,8 +212,9 @@ def format_serve(result: ServeResult) -> str:
         f"{r.concurrency} requests, {r.shared_tokens} shared tokens, {r.new_tokens} new tokens each\n"
         f"one at a time: {r.single_tokens_per_s:,.1f} tokens/s   together: {r.tokens_per_s:,.1f} tokens/s   "
         f"({r.speedup:.2f}x)\n"
-        f"identical answers: {r.identical}   shared KV held: {r.shared_kv_bytes / 2**20:,.1f} MiB, duplicated: "
-        f"{r.duplicated_kv_bytes / 2**20:,.1f} MiB ({saved:.0%} less)"
+        f"identical answers: {r.identical} (to one at a time: {r.identical_to_unbatched})\n"
+        f"shared KV held: {r.shared_kv_bytes / 2**20:,.1f} MiB, duplicated: {r.duplicated_kv_bytes / 2**20:,.1f} MiB "
+        f"({saved:.0%} less)"
     )
 
 

@@ -114,15 +114,14 @@ def test_encode_bench_times_the_forward_the_engine_and_a_store(engine: RagEngine
 
 def test_serve_bench_compares_batched_with_one_at_a_time(tokenizer) -> None:
     from pc_rag.engine import PromptCache
-    from pc_rag.serve_bench import attention_benchmark, format_attention, format_serve, serve_benchmark
+    from pc_rag.serve_bench import format_attention, format_serve, run_serve_bench
 
     pc = PromptCache(tiny_model("llama", tokenizer))
-    result = serve_benchmark(pc, concurrency=4, shared_tokens=200, new_tokens=6)
+    result, rows = run_serve_bench(pc, concurrency=4, shared_tokens=200, new_tokens=6, runs=2)
     assert result.identical and result.generated_tokens > 0
     assert result.tokens_per_s > 0 and result.single_tokens_per_s > 0
     assert 0 < result.shared_kv_bytes < result.duplicated_kv_bytes  # read while all four were live
     assert "identical answers: True" in format_serve(result)
-    rows = attention_benchmark(pc, concurrency=4, shared_tokens=200, private_tokens=16, runs=2)
     assert [(r.case, r.baseline) for r in rows] == [
         ("shared", "sdpa-duplicated"), ("shared", "decode-duplicated"), ("unshared", "decode")
     ]  # fmt: skip

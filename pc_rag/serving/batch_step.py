@@ -26,9 +26,10 @@ from pc_rag.serving.partition_attention import SharedRun, partition_attention
 from pc_rag.serving.shared_pool import Segment, SharedKVPool
 from pc_rag.weights import KERNEL_ROWS, FusedKernel
 
-# Rows of the batch's matmuls: on the CPU a GEMM gives each row the same bits from 4 rows up, while 1-3 rows
-# take another kernel; padding small batches to 4 keeps a greedy answer independent of the batch it decodes in
-MIN_ROWS = 4
+# Rows of the batch's matmuls come in multiples of this: the CPU's GEMM gives a row the same bits at any row count
+# that is a multiple of 4 (with one or two threads; 1-3 rows, or 5-7 split over two threads, take other kernels), so
+# padding keeps a greedy answer independent of the batch it decodes in
+ROW_MULTIPLE = 4
 _STEPS: weakref.WeakKeyDictionary[nn.Module, BatchDecodeStep | None] = weakref.WeakKeyDictionary()
 _LOCK = threading.Lock()
 
@@ -68,7 +69,7 @@ class BatchDecodeStep:
         assert tokens.shape == positions.shape == (batch,), "one token per live row"
         arena.reserve(1)
         decoder = self._decoder
-        padded = max(batch, MIN_ROWS)
+        padded = padded_rows(batch)
         rows = torch.arange(batch, device=tokens.device)
         index = torch.cat([rows, rows.new_zeros(padded - batch)])  # padding rows repeat row 0, never written back
         x = decoder.embed_tokens(tokens[index, None])  # [padded, 1, hidden]
@@ -83,6 +84,11 @@ class BatchDecodeStep:
             x = layer(x, rotary, keys, values, rows, lengths, runs, private)
         arena.lengths[:batch] += 1
         return self._model.lm_head(rms_norm(decoder.norm, x))[:batch, -1]
+
+
+def padded_rows(rows: int) -> int:
+    """``rows`` rounded up to a multiple of ``ROW_MULTIPLE``."""
+    return -(-max(rows, 1) // ROW_MULTIPLE) * ROW_MULTIPLE
 
 
 def _runs(reads: Sequence[SharedRead]) -> list[tuple[int, int, torch.Tensor, torch.Tensor | None]]:
@@ -124,7 +130,7 @@ class _BatchLayer:
         self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], keys: torch.Tensor, values: torch.Tensor,
         rows: torch.Tensor, lengths: torch.Tensor, runs: list[SharedRun], private: int,
     ) -> torch.Tensor:  # fmt: skip
-        """``x`` [padded, 1, hidden] -> [padded, 1, hidden] (rows past B pad the matmuls: see ``MIN_ROWS``); writes
+        """``x`` [padded, 1, hidden] -> [padded, 1, hidden] (rows past B pad the matmuls: see ``ROW_MULTIPLE``); writes
         each live row's new key and value into ``keys``/``values`` [rows, H_kv, capacity, D] at ``lengths[b]``, and
         attends to the first ``private`` entries of each row."""
         layer = self.layer

@@ -51,15 +51,25 @@ def check_length(lm: LoadedModel, request: Request) -> None:
         raise ContextLengthError(msg)
 
 
+def splice_request(lm: LoadedModel, buffers: BufferPool, request: Request) -> tuple[KVBuffer, int]:
+    """A pooled buffer with room for the whole reply, the request's parts spliced into it, and their length.
+
+    The caller releases the buffer (``buffers.release``)."""
+    check_length(lm, request)
+    buffer = buffers.acquire(request.spliced + len(request.new_ids) + request.params.max_new_tokens)
+    try:
+        return buffer, splice(buffer, lm.rope, [(part.kv, part.shift) for part in request.parts])
+    except BaseException:
+        buffers.release(buffer)
+        raise
+
+
 def prefill(lm: LoadedModel, buffers: BufferPool, request: Request) -> Prefilled:
     """Splice the request's parts into a pooled buffer, recompute what its refresh chooses, run its new tokens.
 
-    The buffer has room for the whole reply; the caller releases it (``buffers.release(prefilled.buffer)``)."""
-    check_length(lm, request)
-    length = request.spliced + len(request.new_ids)
-    buffer = buffers.acquire(length + request.params.max_new_tokens)
+    The caller releases the buffer (``buffers.release(prefilled.buffer)``)."""
+    buffer, spliced = splice_request(lm, buffers, request)
     try:
-        spliced = splice(buffer, lm.rope, [(part.kv, part.shift) for part in request.parts])
         refresh = request.refresh
         chosen = refresh.choose(buffer, spliced) if refresh is not None else []
         call = request.calls.first(chosen)
@@ -76,7 +86,7 @@ def prefill(lm: LoadedModel, buffers: BufferPool, request: Request) -> Prefilled
     except BaseException:
         buffers.release(buffer)
         raise
-    return Prefilled(request, buffer, cache, length, logits, chosen)
+    return Prefilled(request, buffer, cache, spliced + len(request.new_ids), logits, chosen)
 
 
 def execute(

@@ -1,12 +1,13 @@
 """Continuous batching: requests from many threads, decoded together, one token each per step.
 
 One worker thread owns decoding. Between steps it admits waiting requests (up to ``max_batch`` live): each is
-prefilled on its own (``executor.prefill``: splice, recovery, its new tokens) and its first token sampled; its
-shareable, unrefreshed parts are acquired from the ``SharedKVPool`` (one copy for every request that imports
-them) and the rest of its KV is copied into a row of the ``PrivateArena``; its buffer goes back to the pool.
-Each step then runs ``BatchDecodeStep`` over all live rows: the weights are read once per step, and shared KV
-once per step. A request the batched step cannot serve (a model it does not describe, a splice adapter or
-calibration at decode time, teacher-forced scoring) is served alone, advanced between the batched steps.
+spliced into a buffer of its own and their new tokens run in one packed pass (``BatchPrefill``; a request with
+a recovery refresh is prefilled alone, ``executor.prefill``), and its first token is sampled. Its shareable,
+unrefreshed parts are acquired from the ``SharedKVPool`` (one copy for every request that imports them) and the
+rest of its KV is copied into a row of the ``PrivateArena``; its buffer goes back to the pool. Each step then
+runs ``BatchDecodeStep`` over all live rows: the weights are read once per step, and shared KV once per step. A
+request the batched step cannot serve (a model it does not describe, a splice adapter or calibration at decode
+time, teacher-forced scoring) is served alone, advanced between the batched steps.
 
 Tokens reach the caller's thread through a queue; detokenizing, stop strings and timing run there
 (``run_generation``), and a caller that stops reading (a stop string, an abandoned stream) cancels its request.
@@ -20,8 +21,10 @@ import logging
 import queue
 import threading
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import torch
 
@@ -30,12 +33,14 @@ from pc_rag.generate import DecodedTokens, GenerationResult, ReplyStream, eos_id
 from pc_rag.kv import BufferPool, SpanKV, kv_shape
 from pc_rag.model import LoadedModel
 from pc_rag.serving.arena import PrivateArena
+from pc_rag.serving.batch_prefill import BatchPrefill, PrefillJob
 from pc_rag.serving.batch_step import BatchDecodeStep, SharedRead
-from pc_rag.serving.executor import Prefilled, execute, prefill
+from pc_rag.serving.executor import Prefilled, execute, prefill, splice_request
 from pc_rag.serving.request import Request
 from pc_rag.serving.shared_pool import CHUNK_TOKENS, Segment, SharedKVPool
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 _END = object()
 
@@ -103,10 +108,12 @@ class Scheduler:
         self.pool = SharedKVPool(layers, heads, dim, chunks=chunks, dtype=lm.dtype, device=lm.device)
         self.arena = PrivateArena(layers, heads, dim, rows=max_batch, dtype=lm.dtype, device=lm.device)
         self._step = BatchDecodeStep.of(lm.model)
+        self._prefill = BatchPrefill.of(lm.model)
         self._waiting: deque[_Entry] = deque()
         self._rows: list[_Live] = []  # by arena row
         self._alone: list[tuple[_Entry, Iterator[str | GenerationResult]]] = []
         self._lock = threading.Condition()
+        self._calls: list[tuple[Callable[[], object], Future[object]]] = []
         self._closed = False
         self._worker: threading.Thread | None = None
         self.peak_kv_bytes = (0, 0)  # ``kv_bytes`` when the most requests shared the pool
@@ -129,19 +136,61 @@ class Scheduler:
                 msg = f"{len(self._waiting)} requests are waiting (queue limit {self.queue_limit}); retry later"
                 raise ServerBusyError(msg)
             self._waiting.append(entry)
-            if self._worker is None:
-                self._worker = threading.Thread(target=self._run, name="pc-rag-scheduler", daemon=True)
-                self._worker.start()
+            self._start()
             self._lock.notify()
         return self._replies(entry)
+
+    def call(self, fn: Callable[[], T]) -> T:
+        """Run ``fn`` on the worker thread between decode steps and return its result (or raise its error).
+
+        Model work done outside the worker (encoding, a request served without batching) belongs here. torch's CPU
+        threads are fastest when one thread drives them all: each thread that runs a parallel op gets OpenMP
+        threads of its own, and once they outnumber the cores OpenMP stops spinning and every small op pays a
+        wake-up (measured here: a 16-row decode step 126 ms on one driving thread, 175-200 ms with two)."""
+        future: Future[T] = Future()
+        with self._lock:
+            if self._closed:
+                raise PCRagError("the scheduler is closed")
+            self._calls.append((fn, future))  # type: ignore[arg-type]
+            self._start()
+            self._lock.notify()
+        return future.result()
 
     def close(self) -> None:
         """Stop the worker; requests not finished get a ``PCRagError``."""
         with self._lock:
             self._closed = True
             self._lock.notify()
-        if self._worker is not None:
+        if self._worker is not None and self._worker is not threading.current_thread():
             self._worker.join()
+
+    def run(self, driver: Callable[[], T]) -> T:
+        """Serve on the calling thread while ``driver`` runs on another; close and return its result when it ends.
+
+        For programs that own their main thread (the CLI's benchmarks and server): the thread that loaded the
+        model keeps driving torch, and ``driver`` (which submits requests, or runs an HTTP server) does no model
+        work of its own but through ``submit`` and ``call``."""
+        result: Future[T] = Future()
+
+        def drive() -> None:
+            try:
+                result.set_result(driver())
+            except BaseException as e:  # noqa: BLE001 - re-raised on the calling thread below
+                result.set_exception(e)
+            finally:
+                with self._lock:
+                    self._closed = True
+                    self._lock.notify()
+
+        with self._lock:
+            if self._worker is not None or self._closed:
+                raise PCRagError("the scheduler is already running or closed")
+            self._worker = threading.current_thread()
+        thread = threading.Thread(target=drive, name="pc-rag-driver")
+        thread.start()
+        self._run()
+        thread.join()
+        return result.result()
 
     def kv_bytes(self) -> tuple[int, int]:
         """(bytes the pool holds for live requests' shared segments, bytes those segments would take duplicated
@@ -158,6 +207,11 @@ class Scheduler:
         """Requests decoding now (batched and alone)."""
         with self._lock:
             return len(self._rows) + len(self._alone)
+
+    def _start(self) -> None:
+        if self._worker is None:
+            self._worker = threading.Thread(target=self._run, name="pc-rag-scheduler", daemon=True)
+            self._worker.start()
 
     def _replies(self, entry: _Entry) -> Iterator[str | GenerationResult]:
         tokens = entry.tokens
@@ -185,24 +239,65 @@ class Scheduler:
     def _run(self) -> None:
         while True:
             with self._lock:
-                while not (self._waiting or self._rows or self._alone or self._closed):
+                while not (self._waiting or self._rows or self._alone or self._calls or self._closed):
                     self._lock.wait()
                 if self._closed:
                     break
                 room = self.max_batch - len(self._rows) - len(self._alone)
                 admitted = [self._waiting.popleft() for _ in range(min(room, len(self._waiting)))]
-            for entry in admitted:
-                try:
-                    self._admit(entry)
-                except Exception as e:  # noqa: BLE001 - the request's own failure (too long, bad input): its caller raises it
-                    entry.tokens.queue.put(e)
+                calls, self._calls = self._calls, []
+            for fn, future in calls:
+                if future.set_running_or_notify_cancel():
+                    try:
+                        future.set_result(fn())
+                    except BaseException as e:  # noqa: BLE001 - the caller's own failure, raised in its thread
+                        future.set_exception(e)
+            self._admit_all(admitted)
             try:
                 self._step_batch()
                 self._step_alone()
             except Exception as e:  # a failure of the step itself: every live request learns of it
                 logger.exception("decode step failed")
                 self._fail_all(e)
-        self._fail_all(PCRagError("the scheduler is closed"))
+        closed = PCRagError("the scheduler is closed")
+        self._fail_all(closed)
+        with self._lock:
+            calls, self._calls = self._calls, []
+        for _, future in calls:
+            future.set_exception(closed)
+
+    def _admit_all(self, entries: list[_Entry]) -> None:
+        """Admit ``entries``: the batched ones without recovery prefill packed together, the others one by one."""
+        packed = []
+        for entry in entries:
+            request = entry.request
+            if entry.batched and self._prefill is not None and request.refresh is None and request.new_ids:
+                packed.append(entry)
+                continue
+            try:
+                self._admit(entry)
+            except Exception as e:  # noqa: BLE001 - the request's own failure (too long, bad input): its caller raises it
+                entry.tokens.queue.put(e)
+        spliced = []
+        for entry in packed:
+            try:
+                spliced.append((entry, *splice_request(self.lm, self.buffers, entry.request)))
+            except Exception as e:  # noqa: BLE001 - as above
+                entry.tokens.queue.put(e)
+        if not spliced:
+            return
+        try:
+            assert self._prefill is not None
+            jobs = [PrefillJob(buffer, n, e.request.new_ids, e.request.new_positions) for e, buffer, n in spliced]
+            logits = self._prefill(jobs)
+        except Exception as e:  # noqa: BLE001 - the packed forward failed: each of its requests learns why
+            for entry, buffer, _ in spliced:
+                self.buffers.release(buffer)
+                entry.tokens.queue.put(e)
+            return
+        for (entry, buffer, n), first in zip(spliced, logits, strict=True):
+            length = n + len(entry.request.new_ids)
+            self._join(entry, Prefilled(entry.request, buffer, buffer.cache(length), length, first, []))
 
     def _admit(self, entry: _Entry) -> None:
         if not entry.batched:
@@ -210,7 +305,10 @@ class Scheduler:
             with self._lock:
                 self._alone.append((entry, items))
             return
-        done = prefill(self.lm, self.buffers, entry.request)
+        self._join(entry, prefill(self.lm, self.buffers, entry.request))
+
+    def _join(self, entry: _Entry, done: Prefilled) -> None:
+        """Move a prefilled request into the batch: shared parts into the pool, the rest into an arena row."""
         try:
             segments, private = self._split(done)
             buffer = done.buffer
@@ -220,7 +318,8 @@ class Scheduler:
             self.buffers.release(done.buffer)
         params = entry.request.params
         generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
-        entry.tokens.queue.put(_Started(done.logits, done.counts))
+        # float32 on the CPU here: a conversion on the caller's thread would start torch threads of its own there
+        entry.tokens.queue.put(_Started(done.logits.float().cpu(), done.counts))
         with self._lock:
             live = _Live(entry, self.arena.admit(keys, values), segments, generator)
             self._rows.append(live)
