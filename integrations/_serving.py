@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from pc_rag.baseline import full_request
 from pc_rag.engine import PromptCache
 from pc_rag.errors import PCRagError
 from pc_rag.generate import ReplyStream, SamplingParams
@@ -20,6 +21,8 @@ from pc_rag.model import LoadedModel
 from pc_rag.rag.engine import RagEngine
 from pc_rag.rag.markers import split_module_prompt
 from pc_rag.rag.prompt import RagPrompt
+from pc_rag.serving.request import Request
+from pc_rag.serving.scheduler import Scheduler
 from pc_rag.store.document_store import DocumentStore
 
 # what a framework user may set; keep_logits is a measurement switch of the eval, not a generation setting
@@ -37,10 +40,21 @@ class PromptServer:
     store: DocumentStore | None = None
     prompt_cache: PromptCache | None = None
     mode: str | None = None  # recovery mode for module prompts; None: the store's default
+    scheduler: Scheduler | None = None  # when set, requests are batched through it; else each is served alone
 
     def __post_init__(self) -> None:
         if self.store is None and self.prompt_cache is None:
             msg = "PromptServer needs a DocumentStore, a PromptCache, or both"
+            raise PCRagError(msg)
+        if (
+            self.store is not None
+            and self.prompt_cache is not None
+            and self.store.engine.lm is not self.prompt_cache.lm
+        ):
+            msg = "the DocumentStore and the PromptCache of a PromptServer must share one loaded model"
+            raise PCRagError(msg)
+        if self.scheduler is not None and self.scheduler.lm is not self.lm:
+            msg = "the scheduler of a PromptServer must run the model its store or PromptCache uses"
             raise PCRagError(msg)
 
     @property
@@ -57,12 +71,17 @@ class PromptServer:
 
     def stream(self, prompt: str, **sampling: object) -> ReplyStream:
         """Text deltas of the reply to ``prompt``; ``sampling`` are ``SamplingParams`` fields."""
+        return self._serve(self.request(prompt, **sampling))
+
+    def request(self, prompt: str, **sampling: object) -> Request:
+        """``prompt`` as a serving ``Request`` (see ``stream``)."""
         _check_settings(sampling)
         if self.prompt_cache is not None and prompt.lstrip().startswith("<prompt"):
-            return self.prompt_cache.stream(prompt, **sampling)
+            return self.prompt_cache.request(prompt, **sampling)
         if self.store is not None:
-            return self.store.stream_prompt(prompt, self.mode, **sampling)
-        return self._stream_turns(self.system, [("user", prompt)], sampling)
+            before, chunks, after = self.store.prompt_chunks(prompt)
+            return self.store.engine.request_around(before, chunks, after, self.mode or self.store.mode, **sampling)
+        return self._turns_request(self.system, [("user", prompt)], sampling)
 
     @property
     def system(self) -> str:
@@ -77,13 +96,17 @@ class PromptServer:
         A lone user turn under the default system prompt is served like ``stream`` (module references
         included); any other conversation is rendered with the chat template and served by full prefill.
         """
+        return self._serve(self.request_chat(turns, system, **sampling))
+
+    def request_chat(self, turns: Sequence[tuple[str, str]], system: str | None = None, **sampling: object) -> Request:
+        """The conversation as a serving ``Request`` (see ``stream_chat``)."""
         unknown_roles = sorted({role for role, _ in turns} - {"user", "assistant"})
         if unknown_roles:
             msg = f"chat roles {unknown_roles} are not supported; use system, user and assistant turns"
             raise PCRagError(msg)
         system = self.system if system is None else system
         if len(turns) == 1 and turns[0][0] == "user" and system == self.system:
-            return self.stream(turns[0][1], **sampling)
+            return self.request(turns[0][1], **sampling)
         if any(split_module_prompt(content).refs for _, content in turns):
             msg = (
                 "module references are served in a single user turn under the default system prompt; "
@@ -91,15 +114,22 @@ class PromptServer:
             )
             raise PCRagError(msg)
         _check_settings(sampling)
-        return self._stream_turns(system, list(turns), sampling)
+        return self._turns_request(system, list(turns), sampling)
 
-    def _stream_turns(self, system: str, turns: list[tuple[str, str]], sampling: dict[str, object]) -> ReplyStream:
+    def _turns_request(self, system: str, turns: list[tuple[str, str]], sampling: dict[str, object]) -> Request:
         """Full prefill of the conversation rendered through the model's chat template, then decoding."""
         backend = self.engine if self.engine is not None else self.prompt_cache
         assert backend is not None
         w = backend.wrappers
         text = w.wrap("system", system) + "".join(w.wrap(role, c) for role, c in turns) + w.generation_prompt  # type: ignore[arg-type]
-        return backend.stream_ids(backend.tokenize(text), **sampling)
+        return full_request(backend.tokenize(text), SamplingParams(**sampling))  # type: ignore[arg-type]
+
+    def _serve(self, request: Request) -> ReplyStream:
+        if self.scheduler is not None:
+            return self.scheduler.stream(request)
+        backend = self.engine if self.engine is not None else self.prompt_cache
+        assert backend is not None
+        return backend.serve(request)
 
 
 def _check_settings(sampling: dict[str, object]) -> None:

@@ -215,6 +215,10 @@ class PromptCache:
         parts = [Part(kv, share=key) for kv, key in zip(planned.parts, planned.share_keys, strict=True)]
         return Request(parts, plan.new_ids, plan.new_positions, plan.next_position, params, watch=watch)
 
+    def serve(self, request: Request) -> ReplyStream:
+        """Serve a ``Request`` of this engine alone (``serving.execute``); a ``Scheduler`` batches them instead."""
+        return ReplyStream(execute(self.lm, self._buffers, request, self._stop_ids))
+
     def _serve(
         self, prompt: Prompt | str, params: SamplingParams | None, **kwargs: object
     ) -> Iterator[str | GenerationResult]:

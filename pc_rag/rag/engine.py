@@ -19,7 +19,7 @@ from uuid import uuid4
 import torch
 
 from pc_rag.assemble import splice
-from pc_rag.baseline import serve_full
+from pc_rag.baseline import full_request, serve_full
 from pc_rag.calibration import KWARG as SEGMENTS
 from pc_rag.calibration import Calibration, Segments
 from pc_rag.chat import chat_wrappers
@@ -189,14 +189,29 @@ class RagEngine:
         ``mode=None`` serves the same tokens by full prefill. Without chunks the turn is
         plain text and is always served by full prefill.
         """
+        return self.serve(self.request_around(before, chunks, after, mode, **kwargs))
+
+    def request_around(
+        self,
+        before: str,
+        chunks: Sequence[Chunk],
+        after: str,
+        mode: str | RecoveryMode | None = "default",
+        **kwargs: object,
+    ) -> Request:
+        """``stream_around``'s turn as a serving ``Request``."""
         pieces = self._pieces_around(before, chunks, after)
         if mode is None or not chunks:
-            return ReplyStream(self._serve_full(self._full_ids(pieces), None, **kwargs))
-        return ReplyStream(self._serve(pieces, resolve_mode(mode), **kwargs))
+            return full_request(self._full_ids(pieces), replace(SamplingParams(), **kwargs))  # type: ignore[arg-type]
+        return self._request(pieces, resolve_mode(mode), **kwargs)
 
     def stream_ids(self, ids: Sequence[int], **kwargs: object) -> ReplyStream:
         """Full prefill of plain token ids (no reuse), then decoding: any conversation rendered by the caller."""
         return ReplyStream(self._serve_full(ids, None, **kwargs))
+
+    def serve(self, request: Request) -> ReplyStream:
+        """Serve a ``Request`` of this engine alone (``serving.execute``); a ``Scheduler`` batches them instead."""
+        return ReplyStream(execute(self.lm, self._buffers, request, self._stop_ids))
 
     def _pieces(self, chunks: Sequence[Chunk], question: str) -> _Pieces:
         return _Pieces(self.head_ids, self.head_kv, tuple(chunks), tuple(self._tail_ids(question)))

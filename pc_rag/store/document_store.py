@@ -466,15 +466,19 @@ class DocumentStore:
         computed as the question. ``full=True`` serves the same tokens by full prefill.
         References to another store or to unknown chunks raise ``StoreError``.
         """
+        before, chunks, after = self.prompt_chunks(prompt)
+        return self.engine.stream_around(before, chunks, after, None if full else (mode or self.mode), **kwargs)
+
+    def prompt_chunks(self, prompt: str) -> tuple[str, list[Chunk], str]:
+        """A prompt carrying module references as (text before them, their chunks, text after them).
+
+        References to another store or to unknown chunks raise ``StoreError``."""
         parsed = split_module_prompt(prompt)
         foreign = sorted({store for store, _ in parsed.refs if store != self.store_id})
         if foreign:
             msg = f"the prompt references chunks of store(s) {foreign}, but this store is {self.store_id}"
             raise StoreError(msg)
-        chunks = self.chunks([self.handle(cid) for _, cid in parsed.refs])
-        return self.engine.stream_around(
-            parsed.before, chunks, parsed.after, None if full else (mode or self.mode), **kwargs
-        )
+        return parsed.before, self.chunks([self.handle(cid) for _, cid in parsed.refs]), parsed.after
 
 
 def module_text(chunk: str) -> str:
