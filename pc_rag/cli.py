@@ -1,4 +1,4 @@
-"""The ``pc-rag`` command line: ``demo``, ``index``, ``ask``, ``store``, ``bench``, ``eval`` and ``tune``.
+"""The ``pc-rag`` command line: ``demo``, ``index``, ``ask``, ``serve``, ``store``, ``bench``, ``eval`` and ``tune``.
 
 The CLI knows nothing about how serving works; it parses arguments, calls the
 engine and prints.
@@ -57,6 +57,13 @@ def main(argv: list[str] | None = None) -> int:
     ask.add_argument("--mode", default=None, help="recovery mode (default: the store's)")
     ask.add_argument("--full", action="store_true", help="also answer by full prefill and print its TTFT")
     ask.add_argument("--max-new-tokens", type=_positive, default=64, help="answer length limit (default 64)")
+    serve = commands.add_parser("serve", help="an OpenAI-compatible HTTP server over a document store")
+    serve.add_argument("--store", type=Path, required=True, help="store directory")
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    serve.add_argument("--port", type=_positive, default=8000, help="port (default 8000)")
+    serve.add_argument("--mode", default=None, help="recovery mode (default: the store's)")
+    serve.add_argument("--max-batch", type=_positive, default=16, help="requests decoded together (default 16)")
+    serve.add_argument("--queue-limit", type=_positive, default=64, help="waiting requests before 429 (default 64)")
     store = commands.add_parser("store", help="verify (read-only), repair, compact or re-encode a document store")
     store.add_argument("action", choices=["verify", "repair", "compact", "recode"])
     store.add_argument("--store", type=Path, required=True, help="store directory")
@@ -125,7 +132,7 @@ def _run(args: argparse.Namespace) -> int:
         commands.check_store_target(args.store, must_exist=False)
         parse_codec(args.codec)
         docs = read_documents(args.paths)[: args.limit]
-    elif args.command in ("ask", "store"):
+    elif args.command in ("ask", "store", "serve"):
         if args.command == "store" and (args.action == "recode") != (args.codec is not None):
             raise PCRagError("--codec goes with `store recode`, and `store recode` needs it")
         if args.command == "store" and args.codec is not None:
@@ -154,6 +161,9 @@ def _run(args: argparse.Namespace) -> int:
                      max_new_tokens=args.max_new_tokens)  # fmt: skip
     elif args.command == "store":
         commands.store_maintenance(lm, args.action, args.store, args.codec)
+    elif args.command == "serve":
+        commands.serve(lm, args.store, host=args.host, port=args.port, mode=args.mode, max_batch=args.max_batch,
+                       queue_limit=args.queue_limit)  # fmt: skip
     elif args.command == "bench":
         _run_bench(args, lm)
     return 0

@@ -11,7 +11,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from pc_rag.errors import StoreError
+from pc_rag.errors import PCRagError, StoreError
 from pc_rag.model import LoadedModel
 from pc_rag.rag import RagEngine, RagPrompt
 from pc_rag.store.codec_setup import parse_codec
@@ -140,6 +140,31 @@ def ask(lm: LoadedModel, store_dir: Path, question: str, *, k: int, mode: str | 
     if compare_full:
         full = store.answer_full(question, k=k, max_new_tokens=max_new_tokens)
         print(f"TTFT {full.result.stats.ttft_ms:.0f} ms full prefill; full prefill answered: {full.text.strip()!r}")
+
+
+def serve(lm: LoadedModel, store_dir: Path, *, host: str, port: int, mode: str | None, max_batch: int,
+          queue_limit: int) -> None:  # fmt: skip
+    """Serve the store over HTTP (OpenAI-compatible routes and /v1/rag) until interrupted.
+
+    The scheduler serves on this thread, which loaded the model; uvicorn runs beside it (``Scheduler.run``)."""
+    try:
+        import uvicorn
+    except ImportError as e:
+        msg = "`pc-rag serve` needs FastAPI and uvicorn: pip install 'pc-rag[serve]'"
+        raise PCRagError(msg) from e
+    from pc_rag.integrations._serving import PromptServer
+    from pc_rag.serving.http import create_app
+    from pc_rag.serving.scheduler import Scheduler
+
+    store = DocumentStore.load(store_dir, engine_for(lm))
+    scheduler = Scheduler(lm, max_batch=max_batch, queue_limit=queue_limit)
+    app = create_app(PromptServer(store=store, mode=mode, scheduler=scheduler), scheduler)
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="info"))
+    print(f"serving {store_dir} ({len(store)} chunks, {lm.name}) on http://{host}:{port}/v1")
+    try:
+        scheduler.run(server.run)
+    except KeyboardInterrupt:
+        server.should_exit = True
 
 
 def demo(lm: LoadedModel, questions: int) -> None:

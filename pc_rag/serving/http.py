@@ -1,0 +1,113 @@
+"""An OpenAI-compatible HTTP server over a ``PromptServer`` and a ``Scheduler`` (FastAPI).
+
+Routes: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions`` (JSON, or server-sent events
+with ``stream``; usage counts), and ``POST /v1/rag`` (a question answered from retrieved modules, with its sources
+and timings). Building a request (retrieval, the chunks' KV) is model work and runs on the scheduler's thread
+(``Scheduler.call``); decoding is batched across requests by the scheduler. Bad input answers 400, a full queue
+429 with ``Retry-After``, a closed scheduler 503, always as an OpenAI error body. This module knows nothing about
+attention or storage formats.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from typing import Any
+
+from pc_rag.errors import PCRagError, ServerBusyError
+from pc_rag.generate import GenerationResult, ReplyStream, collect
+from pc_rag.rag.order import DEFAULT_ORDER
+from pc_rag.serving.openai_api import ChatBody, CompletionBody, RagBody, Reply, error_body
+from pc_rag.serving.request import Request
+from pc_rag.serving.scheduler import Scheduler
+
+DEFAULT_MAX_TOKENS = 64
+
+
+def create_app(server: Any, scheduler: Scheduler) -> Any:
+    """The FastAPI app serving ``server`` (an ``integrations.PromptServer``) through ``scheduler``."""
+    try:
+        from fastapi import FastAPI
+        from fastapi.responses import JSONResponse, StreamingResponse
+    except ImportError as e:
+        msg = "the HTTP server needs FastAPI and uvicorn: pip install 'pc-rag[serve]'"
+        raise ImportError(msg) from e
+
+    app = FastAPI(title="pc-rag", description="Prompt Cache RAG server, OpenAI-compatible")
+    model = server.model_name
+
+    @app.exception_handler(ServerBusyError)
+    def busy(_: object, e: ServerBusyError) -> JSONResponse:
+        return JSONResponse(error_body(str(e), "server_busy"), status_code=429, headers={"Retry-After": "1"})
+
+    @app.exception_handler(PCRagError)
+    def bad_request(_: object, e: PCRagError) -> JSONResponse:
+        closed = "scheduler is closed" in str(e)
+        kind, status = ("unavailable", 503) if closed else ("invalid_request_error", 400)
+        return JSONResponse(error_body(str(e), kind), status_code=status)
+
+    @app.get("/v1/models")
+    def models() -> dict[str, object]:
+        return {"object": "list", "data": [{"id": model, "object": "model", "owned_by": "pc-rag"}]}
+
+    @app.post("/v1/completions")
+    def completions(body: CompletionBody) -> Any:
+        sampling = body.sampling(DEFAULT_MAX_TOKENS)
+        request = scheduler.call(lambda: server.request(body.text(), **sampling))
+        return _respond(Reply(model, chat=False), request, body.stream, body.include_usage)
+
+    @app.post("/v1/chat/completions")
+    def chat(body: ChatBody) -> Any:
+        sampling = body.sampling(DEFAULT_MAX_TOKENS)
+        system, turns = body.conversation()
+        request = scheduler.call(lambda: server.request_chat(turns, system, **sampling))
+        return _respond(Reply(model, chat=True), request, body.stream, body.include_usage)
+
+    @app.post("/v1/rag")
+    def rag(body: RagBody) -> dict[str, object]:
+        store = server.store
+        if store is None:
+            raise PCRagError("this server has no document store: /v1/rag needs `pc-rag serve --store DIR`")
+
+        def build() -> tuple[list[Any], Request]:
+            handles = store.search(body.question, body.k, DEFAULT_ORDER)  # laid out as `DocumentStore.answer` does
+            mode = body.mode or server.mode or store.mode
+            return handles, store.engine.request(
+                store.chunks(handles), body.question, mode, max_new_tokens=body.max_tokens
+            )
+
+        handles, request = scheduler.call(build)
+        result = collect(scheduler.submit(request))
+        return {
+            "answer": result.text,
+            "sources": [
+                {"chunk_id": h.chunk_id, "doc_id": h.doc_id, "score": h.score, "text": h.text} for h in handles
+            ],
+            "timings": {"ttft_ms": result.stats.ttft_ms, "total_ms": result.stats.total_ms},
+            "usage": {
+                "cached_tokens": result.stats.cached_tokens, "computed_tokens": result.stats.computed_tokens,
+                "completion_tokens": result.stats.new_tokens,
+            },
+        }  # fmt: skip
+
+    def _respond(reply: Reply, request: Request, stream: bool, with_usage: bool) -> Any:
+        limit = request.params.max_new_tokens
+        if not stream:
+            return reply.whole(collect(scheduler.submit(request)), limit)
+        replies = ReplyStream(scheduler.submit(request))
+        deltas = iter(replies)
+        first = next(deltas, None)  # a request that fails (too long for the model) fails here, as a 400
+        chained = itertools.chain([first] if first is not None else [], deltas)
+        return StreamingResponse(
+            reply.events(chained, _result_of(replies), limit, with_usage), media_type="text/event-stream"
+        )
+
+    return app
+
+
+def _result_of(stream: ReplyStream) -> Callable[[], GenerationResult]:
+    def result() -> GenerationResult:
+        assert stream.result is not None, "the stream ended without a result"
+        return stream.result
+
+    return result
