@@ -10,7 +10,7 @@ knows nothing about LangChain or LlamaIndex.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from pc_rag.baseline import full_request
@@ -71,7 +71,7 @@ class PromptServer:
 
     def stream(self, prompt: str, **sampling: object) -> ReplyStream:
         """Text deltas of the reply to ``prompt``; ``sampling`` are ``SamplingParams`` fields."""
-        return self._serve(self.request(prompt, **sampling))
+        return self._serve(lambda: self.request(prompt, **sampling))
 
     def request(self, prompt: str, **sampling: object) -> Request:
         """``prompt`` as a serving ``Request`` (see ``stream``)."""
@@ -96,7 +96,7 @@ class PromptServer:
         A lone user turn under the default system prompt is served like ``stream`` (module references
         included); any other conversation is rendered with the chat template and served by full prefill.
         """
-        return self._serve(self.request_chat(turns, system, **sampling))
+        return self._serve(lambda: self.request_chat(turns, system, **sampling))
 
     def request_chat(self, turns: Sequence[tuple[str, str]], system: str | None = None, **sampling: object) -> Request:
         """The conversation as a serving ``Request`` (see ``stream_chat``)."""
@@ -124,12 +124,14 @@ class PromptServer:
         text = w.wrap("system", system) + "".join(w.wrap(role, c) for role, c in turns) + w.generation_prompt  # type: ignore[arg-type]
         return full_request(backend.tokenize(text), SamplingParams(**sampling))  # type: ignore[arg-type]
 
-    def _serve(self, request: Request) -> ReplyStream:
+    def _serve(self, build: Callable[[], Request]) -> ReplyStream:
+        """Build the request and serve it: batched by the scheduler (built on its thread, where all model work
+        runs, see ``Scheduler.call``) or alone."""
         if self.scheduler is not None:
-            return self.scheduler.stream(request)
+            return self.scheduler.stream(self.scheduler.call(build))
         backend = self.engine if self.engine is not None else self.prompt_cache
         assert backend is not None
-        return backend.serve(request)
+        return backend.serve(build())
 
 
 def _check_settings(sampling: dict[str, object]) -> None:

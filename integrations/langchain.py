@@ -1,4 +1,4 @@
-"""LangChain adapters: an LLM that splices cached prompt modules, a retriever and a vector store over a store.
+"""LangChain adapters: a chat model and an LLM that splice cached prompt modules, a retriever and a vector store.
 
 A cached RAG chain in LCEL::
 
@@ -13,11 +13,13 @@ Everything here needs ``pip install pc-rag[langchain]``. This module only
 re-exports; it knows nothing of its own.
 """
 
+from pc_rag.integrations.langchain_chat import ChatPromptCache
 from pc_rag.integrations.langchain_llm import PromptCacheLLM
 from pc_rag.integrations.langchain_vectorstore import PromptCacheVectorStore
 from pc_rag.retrievers.langchain import PromptModuleRetriever, format_modules, module_prompt_template
 
 __all__ = [
+    "ChatPromptCache",
     "PromptCacheLLM",
     "PromptCacheVectorStore",
     "PromptModuleRetriever",

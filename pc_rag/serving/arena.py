@@ -73,7 +73,8 @@ class PrivateArena:
         capacity = _rounded(max(needed, 2 * self.capacity))
         for name in ("keys", "values"):
             old = getattr(self, name)
-            new = old.new_zeros(*old.shape[:3], capacity, old.shape[4])
+            with torch.inference_mode(False):  # a normal tensor, whether or not the caller is in inference mode
+                new = old.new_zeros(*old.shape[:3], capacity, old.shape[4])
             new[:, :, :, : old.shape[3]] = old
             setattr(self, name, new)
 

@@ -236,6 +236,7 @@ class Scheduler:
         finally:
             tokens.cancelled.set()
 
+    @torch.inference_mode()
     def _run(self) -> None:
         while True:
             with self._lock:
@@ -252,13 +253,13 @@ class Scheduler:
                         future.set_result(fn())
                     except BaseException as e:  # noqa: BLE001 - the caller's own failure, raised in its thread
                         future.set_exception(e)
-            self._admit_all(admitted)
             try:
+                self._admit_all(admitted)
                 self._step_batch()
                 self._step_alone()
-            except Exception as e:  # a failure of the step itself: every live request learns of it
-                logger.exception("decode step failed")
-                self._fail_all(e)
+            except Exception as e:  # a failure of the scheduler itself: every live request learns of it, none hangs
+                logger.exception("scheduler step failed")
+                self._fail_all(e, admitted)
         closed = PCRagError("the scheduler is closed")
         self._fail_all(closed)
         with self._lock:
@@ -410,9 +411,11 @@ class Scheduler:
                 with self._lock:
                     self._alone.remove((entry, items))
 
-    def _fail_all(self, error: Exception) -> None:
+    def _fail_all(self, error: Exception, admitted: list[_Entry] | None = None) -> None:
+        """Every live and waiting request (and ``admitted``, which may be neither yet) gets ``error``."""
         with self._lock:
             entries = [live.entry for live in self._rows] + [entry for entry, _ in self._alone] + list(self._waiting)
+            entries += [e for e in admitted or [] if e not in entries]
             lives = list(self._rows)
             self._rows.clear()
             self._alone.clear()

@@ -35,3 +35,12 @@ def test_capacity_grows_in_steps_and_keeps_every_row():
     torch.testing.assert_close(arena.keys[:, 0, :, :10], first[0], rtol=0, atol=0)
     torch.testing.assert_close(arena.values[:, 1, :, : CAPACITY_STEP + 5], second[1], rtol=0, atol=0)
     assert not arena.keys[:, 0, :, 10:].any()  # padding is zeros, never garbage that could be NaN
+
+
+def test_rows_grown_during_inference_take_writes_outside_it():
+    arena = PrivateArena(2, 3, 4, rows=2, capacity=8)
+    with torch.inference_mode():  # a decode step grows the rows
+        arena.admit(*_rows(1, 10, 0))
+        arena.reserve(CAPACITY_STEP + 1)
+    arena.admit(*_rows(1, 5, 1))  # an admission outside inference mode writes into them
+    assert arena.lengths.tolist() == [10, 5]
