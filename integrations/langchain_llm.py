@@ -29,6 +29,7 @@ from pc_rag.engine import PromptCache
 from pc_rag.errors import PCRagError
 from pc_rag.generate import GenerationResult, GenerationStats
 from pc_rag.integrations._serving import PromptServer
+from pc_rag.serving.scheduler import Scheduler
 from pc_rag.store.document_store import DocumentStore
 
 __all__ = ["PromptCacheLLM"]
@@ -42,9 +43,9 @@ class PromptCacheLLM(LLM):
     """A local model that reuses prompt modules' KV; greedy by default.
 
     Per-call keyword arguments override the fields of the same name; ``stop``
-    strings end the reply (and are excluded from it). Each reply is decoded on its
-    own: ``batch`` runs prompts one after another, ``abatch`` and parallel chains
-    in worker threads side by side; nothing is batched into one forward.
+    strings end the reply (and are excluded from it). Built with ``batched=True`` (a
+    ``Scheduler``), ``batch``, ``abatch`` and parallel chains decode together, one
+    forward per token for all; otherwise each reply is decoded on its own.
     """
 
     model_config = ConfigDict(arbitrary_types_allowed=True, extra="forbid")
@@ -60,14 +61,19 @@ class PromptCacheLLM(LLM):
     _last_stats: GenerationStats | None = PrivateAttr(default=None)
 
     @classmethod
-    def from_store(cls, store: DocumentStore, mode: str | None = None, **settings: Any) -> PromptCacheLLM:
-        """Serve module references to ``store``'s chunks with recovery ``mode`` (``None``: the store's)."""
-        return cls(server=PromptServer(store=store, mode=mode), **settings)
+    def from_store(
+        cls, store: DocumentStore, mode: str | None = None, *, batched: bool = False, **settings: Any
+    ) -> PromptCacheLLM:
+        """Serve module references to ``store``'s chunks with recovery ``mode`` (``None``: the store's); with
+        ``batched``, ``batch`` and concurrent calls decode together in a ``Scheduler`` of their own."""
+        scheduler = Scheduler(store.engine.lm) if batched else None
+        return cls(server=PromptServer(store=store, mode=mode, scheduler=scheduler), **settings)
 
     @classmethod
-    def from_prompt_cache(cls, prompt_cache: PromptCache, **settings: Any) -> PromptCacheLLM:
+    def from_prompt_cache(cls, prompt_cache: PromptCache, *, batched: bool = False, **settings: Any) -> PromptCacheLLM:
         """Serve PML prompts with ``prompt_cache``'s schemas (other text by full prefill)."""
-        return cls(server=PromptServer(prompt_cache=prompt_cache), **settings)
+        scheduler = Scheduler(prompt_cache.lm) if batched else None
+        return cls(server=PromptServer(prompt_cache=prompt_cache, scheduler=scheduler), **settings)
 
     @property
     def _llm_type(self) -> str:
@@ -160,7 +166,17 @@ class PromptCacheLLM(LLM):
         run_manager: CallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> LLMResult:
-        generations = [[_join(self._stream(p, stop, run_manager, **kwargs))] for p in prompts]
+        if self.server.scheduler is None or len(prompts) == 1:
+            generations = [[_join(self._stream(p, stop, run_manager, **kwargs))] for p in prompts]
+            return LLMResult(generations=generations, llm_output=self._llm_output())
+        sampling = self._sampling(stop, kwargs)
+        streams = [self.server.stream(p, **sampling) for p in prompts]  # all submitted: they decode together
+        generations = []
+        for stream in streams:
+            text = "".join(stream)
+            assert stream.result is not None, "a reply stream ends with its result"
+            self._last_stats = stream.result.stats
+            generations.append([Generation(text=text, generation_info=_info(stream.result))])
         return LLMResult(generations=generations, llm_output=self._llm_output())
 
     async def _agenerate(
@@ -170,6 +186,8 @@ class PromptCacheLLM(LLM):
         run_manager: AsyncCallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> LLMResult:
+        if self.server.scheduler is not None and len(prompts) > 1:  # decoded together, off the event loop
+            return await run_in_executor(None, self._generate, prompts, stop, None, **kwargs)
         generations = []
         for prompt in prompts:
             chunks = [c async for c in self._astream(prompt, stop, run_manager, **kwargs)]

@@ -14,6 +14,7 @@ retrieval or how prompts are routed: that is the server's.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 from dataclasses import asdict
 from typing import Any
@@ -117,6 +118,15 @@ class PromptCacheLLM(CustomLLM):
     @llm_completion_callback()
     def complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
         """Reply to ``prompt`` served as one user turn (``completion_to_prompt`` first unless ``formatted``)."""
+        return self._complete(prompt, formatted, kwargs)
+
+    @llm_completion_callback()
+    async def acomplete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
+        """``complete`` in a worker thread: the event loop keeps running, and with a scheduler behind the server
+        concurrent calls decode together."""
+        return await asyncio.to_thread(self._complete, prompt, formatted, kwargs)
+
+    def _complete(self, prompt: str, formatted: bool, kwargs: dict[str, Any]) -> CompletionResponse:
         result = self._finish(self._completion_stream(prompt, formatted, kwargs))
         return CompletionResponse(text=result.text, raw=result, additional_kwargs=asdict(result.stats))
 
@@ -138,6 +148,14 @@ class PromptCacheLLM(CustomLLM):
     @llm_chat_callback()
     def chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
         """Reply to a conversation rendered through the model's chat template."""
+        return self._chat(messages, kwargs)
+
+    @llm_chat_callback()
+    async def achat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
+        """``chat`` in a worker thread (see ``acomplete``)."""
+        return await asyncio.to_thread(self._chat, messages, kwargs)
+
+    def _chat(self, messages: Sequence[ChatMessage], kwargs: dict[str, Any]) -> ChatResponse:
         result = self._finish(self._chat_stream(messages, self._sampling(kwargs)))
         message = ChatMessage(role=MessageRole.ASSISTANT, content=result.text)
         return ChatResponse(message=message, raw=result, additional_kwargs=asdict(result.stats))

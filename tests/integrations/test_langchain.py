@@ -231,3 +231,23 @@ def test_vectorstore_retriever_drives_a_cached_chain(tmp_path, engine: RagEngine
     assert chain.invoke(QUESTION) == vs.store.answer(QUESTION, k=2, max_new_tokens=4).text
     with pytest.raises(PCRagError, match="search_type='similarity'"):
         vs.as_retriever(search_type="mmr")
+
+
+def test_batched_llm_decodes_a_batch_together_and_answers_as_alone(tmp_path, tokenizer) -> None:
+    from conftest import tiny_model
+    from test_document_store import make_store
+
+    from pc_rag.integrations.langchain import PromptCacheLLM
+    from pc_rag.rag import RagEngine, RagPrompt
+
+    store = make_store(tmp_path, RagEngine(tiny_model("llama", tokenizer), RagPrompt()))
+    questions = ["Which city has the tower?", "Is Fuji a volcano?", "Where does the Danube end?"]
+    prompts = ["".join(store.module_ref(h) for h in store.search(q, k=2)) + q for q in questions]
+    alone = PromptCacheLLM.from_store(store, max_tokens=6)
+    batched = PromptCacheLLM.from_store(store, batched=True, max_tokens=6)
+    steps = []
+    original = batched.server.scheduler._step_batch
+    batched.server.scheduler._step_batch = lambda: (steps.append(len(batched.server.scheduler._rows)), original())[1]
+    assert batched.batch(prompts) == [alone.invoke(p) for p in prompts]
+    assert max(steps) > 1  # decode steps served several requests at once
+    batched.server.scheduler.close()

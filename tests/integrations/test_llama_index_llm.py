@@ -163,3 +163,29 @@ def test_async_completion(llm: PromptCacheLLM) -> None:
 
     text, streamed = asyncio.run(run())
     assert text == streamed == llm.complete(PROMPT).text
+
+
+def test_async_completion_and_chat_leave_the_event_loop_free(llm: PromptCacheLLM) -> None:
+    import asyncio
+
+    from llama_index.core.llms import ChatMessage
+
+    async def run() -> tuple[str, str, int]:
+        ticks = 0
+
+        async def ticker() -> None:
+            nonlocal ticks
+            while True:
+                await asyncio.sleep(0)
+                ticks += 1
+
+        beat = asyncio.create_task(ticker())
+        done = await llm.acomplete("Where is the tower?")
+        chat = await llm.achat([ChatMessage(role="user", content="Where is the tower?")])
+        beat.cancel()
+        return done.text, chat.message.content, ticks
+
+    text, chat, ticks = asyncio.run(run())
+    assert text == llm.complete("Where is the tower?").text
+    assert chat == llm.chat([ChatMessage(role="user", content="Where is the tower?")]).message.content
+    assert ticks > 10  # the loop ran while the model decoded
