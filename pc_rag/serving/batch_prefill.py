@@ -4,7 +4,7 @@ Each request has already spliced its parts into its own buffer. Per layer, the n
 through the norms and projections as one ``[N, hidden]`` block (no padding between requests); attention is per
 request, over its own buffer (cached entries, then its new tokens causally), as a prefill alone attends. The
 layers are written out as in ``DecodeStep`` (transformers' own norm, rotary and projection modules), for the
-models it describes. Matmuls get rows in multiples of ``batch_step.ROW_MULTIPLE``, so a request's logits have
+models it describes. Matmuls get rows in multiples of ``partition_attention.ROW_MULTIPLE``, so a request's logits have
 the same bits packed with others as packed alone. Requests with a recovery refresh prefill alone
 (``executor.prefill``). This module knows nothing about PML, chunks or scheduling.
 """
@@ -25,7 +25,7 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 from pc_rag.attention import FLASH_CPU, attend_after_cache
 from pc_rag.decode_step import describes, rms_norm
 from pc_rag.kv import KVBuffer
-from pc_rag.serving.batch_step import padded_rows
+from pc_rag.serving.partition_attention import padded_rows
 
 _PREFILLS: weakref.WeakKeyDictionary[nn.Module, BatchPrefill | None] = weakref.WeakKeyDictionary()
 _LOCK = threading.Lock()

@@ -22,14 +22,10 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from pc_rag.decode_step import describes, rms_norm
 from pc_rag.serving.arena import CAPACITY_STEP, PrivateArena
-from pc_rag.serving.partition_attention import SharedRun, partition_attention
+from pc_rag.serving.partition_attention import SharedRun, padded_rows, partition_attention
 from pc_rag.serving.shared_pool import Segment, SharedKVPool
 from pc_rag.weights import KERNEL_ROWS, FusedKernel
 
-# Rows of the batch's matmuls come in multiples of this: the CPU's GEMM gives a row the same bits at any row count
-# that is a multiple of 4 (with one or two threads; 1-3 rows, or 5-7 split over two threads, take other kernels), so
-# padding keeps a greedy answer independent of the batch it decodes in
-ROW_MULTIPLE = 4
 _STEPS: weakref.WeakKeyDictionary[nn.Module, BatchDecodeStep | None] = weakref.WeakKeyDictionary()
 _LOCK = threading.Lock()
 
@@ -86,11 +82,6 @@ class BatchDecodeStep:
         return self._model.lm_head(rms_norm(decoder.norm, x))[:batch, -1]
 
 
-def padded_rows(rows: int) -> int:
-    """``rows`` rounded up to a multiple of ``ROW_MULTIPLE``."""
-    return -(-max(rows, 1) // ROW_MULTIPLE) * ROW_MULTIPLE
-
-
 def _runs(reads: Sequence[SharedRead]) -> list[tuple[int, int, torch.Tensor, torch.Tensor | None]]:
     """Shared reads as attention runs ``(start, end, readers, mask)`` in pool order: segments stored back to back
     and read by the same rows form one run, the padding between them masked.
@@ -130,9 +121,9 @@ class _BatchLayer:
         self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], keys: torch.Tensor, values: torch.Tensor,
         rows: torch.Tensor, lengths: torch.Tensor, runs: list[SharedRun], private: int,
     ) -> torch.Tensor:  # fmt: skip
-        """``x`` [padded, 1, hidden] -> [padded, 1, hidden] (rows past B pad the matmuls: see ``ROW_MULTIPLE``); writes
-        each live row's new key and value into ``keys``/``values`` [rows, H_kv, capacity, D] at ``lengths[b]``, and
-        attends to the first ``private`` entries of each row."""
+        """``x`` [padded, 1, hidden] -> [padded, 1, hidden] (rows past B pad the matmuls: see
+        ``partition_attention.ROW_MULTIPLE``); writes each live row's new key and value into ``keys``/``values``
+        [rows, H_kv, capacity, D] at ``lengths[b]``, and attends to the first ``private`` entries of each row."""
         layer = self.layer
         attn, mlp = layer.self_attn, layer.mlp
         padded, batch = x.shape[0], rows.shape[0]

@@ -23,9 +23,15 @@ import torch
 
 from pc_rag.attention import FLASH_CPU
 
-# Queries per pass over a shared run: a CPU GEMM gives each row the same bits from 4 rows up (fewer take another
-# kernel), so a run read by one sequence is padded to 4 queries and its result does not depend on who else reads it
-MIN_QUERIES = 4
+# Rows of a matmul come in multiples of this (batch rows, queries of a shared run): the CPU's GEMM gives a row the
+# same bits at any row count that is a multiple of 4 (with one or two threads; 1-3 rows, or 5-7 split over two
+# threads, take other kernels), so padding keeps a row's result independent of how many others share the matmul
+ROW_MULTIPLE = 4
+
+
+def padded_rows(rows: int) -> int:
+    """``rows`` rounded up to a multiple of ``ROW_MULTIPLE``."""
+    return -(-max(rows, 1) // ROW_MULTIPLE) * ROW_MULTIPLE
 
 
 @dataclass(frozen=True)
@@ -61,7 +67,7 @@ def partition_attention(
     for run in runs:
         n = run.readers.shape[0]
         q = grouped[run.readers].transpose(0, 1).reshape(1, kv_heads, n * n_rep, dim)
-        pad = max(0, MIN_QUERIES - n * n_rep)  # repeated queries, dropped after
+        pad = padded_rows(n * n_rep) - n * n_rep  # repeated queries, dropped after
         mask = run.mask[None, None, None, :] if run.mask is not None else None
         o, lse_run = attend_with_lse(torch.cat([q, q[:, :, :1].expand(-1, -1, pad, -1)], 2), run.keys[None],
                                      run.values[None], mask, scale)  # fmt: skip

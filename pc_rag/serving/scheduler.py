@@ -147,6 +147,8 @@ class Scheduler:
         threads are fastest when one thread drives them all: each thread that runs a parallel op gets OpenMP
         threads of its own, and once they outnumber the cores OpenMP stops spinning and every small op pays a
         wake-up (measured here: a 16-row decode step 126 ms on one driving thread, 175-200 ms with two)."""
+        if threading.current_thread() is self._worker:  # already on the worker: waiting for it would never end
+            return fn()
         future: Future[T] = Future()
         with self._lock:
             if self._closed:
