@@ -47,7 +47,7 @@ class Prefilled:
 def check_length(lm: LoadedModel, request: Request) -> None:
     """Refuse a request whose first generated token would not fit the model's positions."""
     if request.next_position + 1 > lm.max_positions:
-        msg = f"prompt reaches position {request.next_position}; the model has {lm.max_positions}"
+        msg = f"prompt reaches position {request.next_position}: it exceeds the model's {lm.max_positions} positions"
         raise ContextLengthError(msg)
 
 
