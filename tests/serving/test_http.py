@@ -128,3 +128,15 @@ def test_a_full_queue_answers_429(tokenizer, monkeypatch) -> None:
     reply = client.post("/v1/completions", json={"prompt": "hello", "max_tokens": 2})
     assert reply.status_code == 429 and reply.headers["retry-after"] == "1"
     assert "queue limit 1" in reply.json()["error"]["message"]
+
+
+def test_langchain_chat_openai_pointed_at_the_server_gets_the_same_answers(served) -> None:
+    from langchain_core.messages import HumanMessage
+    from langchain_openai import ChatOpenAI
+
+    url, alone = served
+    chat = ChatOpenAI(base_url=url, api_key="unused", model="any", max_tokens=8, temperature=0, max_retries=0)
+    expected = "".join(alone.stream_chat([("user", QUESTION)], max_new_tokens=8))
+    assert chat.invoke([HumanMessage(QUESTION)]).content == expected
+    assert "".join(chunk.content for chunk in chat.stream([HumanMessage(QUESTION)])) == expected
+    assert [m.content for m in chat.batch([[HumanMessage(QUESTION)]] * 4)] == [expected] * 4
