@@ -11,7 +11,7 @@ are not built. This module knows nothing about retrieval or how prompts are rout
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Iterator, Sequence
-from contextlib import closing, suppress
+from contextlib import closing
 from typing import Any
 
 try:
@@ -20,7 +20,6 @@ try:
     from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage, HumanMessage, SystemMessage
     from langchain_core.messages.ai import UsageMetadata
     from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
-    from langchain_core.runnables.config import run_in_executor
     from pydantic import ConfigDict, Field
 except ImportError as e:  # pragma: no cover - depends on the environment
     msg = "the LangChain chat model needs langchain-core: `pip install pc-rag[langchain]`"
@@ -29,15 +28,18 @@ except ImportError as e:  # pragma: no cover - depends on the environment
 from pc_rag.engine import PromptCache
 from pc_rag.errors import PCRagError
 from pc_rag.generate import GenerationResult
+from pc_rag.integrations._langchain_shared import (
+    SETTINGS,
+    in_worker,
+    prompt_cache_server,
+    sampling,
+    store_server,
+    token_ids,
+)
 from pc_rag.integrations._serving import PromptServer
-from pc_rag.serving.scheduler import Scheduler
 from pc_rag.store.document_store import DocumentStore
 
 __all__ = ["ChatPromptCache"]
-
-# LangChain's generation setting -> pc-rag's SamplingParams field
-_SETTINGS = {"temperature": "temperature", "max_tokens": "max_new_tokens", "top_p": "top_p", "top_k": "top_k",
-             "seed": "seed"}  # fmt: skip
 
 
 class ChatPromptCache(BaseChatModel):
@@ -60,14 +62,12 @@ class ChatPromptCache(BaseChatModel):
     ) -> ChatPromptCache:
         """Serve module references to ``store``'s chunks with recovery ``mode`` (``None``: the store's); with
         ``batched``, concurrent calls decode together in a ``Scheduler`` of their own."""
-        scheduler = Scheduler(store.engine.lm) if batched else None
-        return cls(server=PromptServer(store=store, mode=mode, scheduler=scheduler), **settings)
+        return cls(server=store_server(store, mode, batched), **settings)
 
     @classmethod
     def from_prompt_cache(cls, prompt_cache: PromptCache, *, batched: bool = False, **settings: Any) -> ChatPromptCache:
         """Serve PML prompts with ``prompt_cache``'s schemas (other turns by full prefill)."""
-        scheduler = Scheduler(prompt_cache.lm) if batched else None
-        return cls(server=PromptServer(prompt_cache=prompt_cache, scheduler=scheduler), **settings)
+        return cls(server=prompt_cache_server(prompt_cache, batched), **settings)
 
     @property
     def _llm_type(self) -> str:
@@ -80,7 +80,7 @@ class ChatPromptCache(BaseChatModel):
     @property
     def _identifying_params(self) -> dict[str, Any]:
         params = {"model_name": self.model_name, "mode": self.server.mode}
-        return params | {name: getattr(self, name) for name in (*_SETTINGS, "stop")}
+        return params | {name: getattr(self, name) for name in (*SETTINGS, "stop")}
 
     def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> Any:
         params = super()._get_ls_params(stop=stop, **kwargs)
@@ -90,30 +90,22 @@ class ChatPromptCache(BaseChatModel):
 
     def get_token_ids(self, text: str) -> list[int]:
         """Token ids under the served model's own tokenizer (LangChain's default would fetch GPT-2's)."""
-        return self.server.lm.tokenizer(text, add_special_tokens=False)["input_ids"]
-
-    def _sampling(self, stop: list[str] | None, kwargs: dict[str, Any]) -> dict[str, Any]:
-        unknown = set(kwargs) - set(_SETTINGS)
-        if unknown:
-            msg = f"unknown generation settings {sorted(unknown)}; ChatPromptCache takes {sorted(_SETTINGS)} and stop"
-            raise PCRagError(msg)
-        sampling = {field: kwargs.get(name, getattr(self, name)) for name, field in _SETTINGS.items()}
-        return sampling | {"stop": tuple(stop if stop is not None else self.stop or ())}
+        return token_ids(self.server, text)
 
     def _chunks(
         self, messages: list[BaseMessage], stop: list[str] | None, kwargs: dict[str, Any]
     ) -> Iterator[ChatGenerationChunk]:
         """Text deltas, then an empty chunk with the usage and the stats."""
         system, turns = _conversation(messages)
-        sampling = self._sampling(stop, kwargs)
-        stream = self.server.stream_chat(turns, system, **sampling)
+        settings = sampling(self, stop, kwargs)
+        stream = self.server.stream_chat(turns, system, **settings)
         yield from (ChatGenerationChunk(message=AIMessageChunk(content=delta)) for delta in stream)
         assert stream.result is not None, "a reply stream ends with its result"
         result = stream.result
         last = AIMessageChunk(
             content="",
             usage_metadata=_usage(result),
-            response_metadata=self._metadata(result, sampling),
+            response_metadata=self._metadata(result, settings),
             chunk_position="last",
         )
         yield ChatGenerationChunk(message=last, generation_info=_info(result))
@@ -165,15 +157,10 @@ class ChatPromptCache(BaseChatModel):
         **kwargs: Any,
     ) -> AsyncIterator[ChatGenerationChunk]:
         """Decode in a worker thread, one delta at a time, so the event loop is never blocked."""
-        chunks = self._chunks(messages, stop, kwargs)
-        try:
-            while (chunk := await run_in_executor(None, next, chunks, None)) is not None:
-                if run_manager is not None and chunk.message.content:
-                    await run_manager.on_llm_new_token(chunk.text, chunk=chunk)
-                yield chunk
-        finally:
-            with suppress(ValueError):  # cancelled mid-step: the step still runs in its worker, GC closes it after
-                chunks.close()
+        async for chunk in in_worker(self._chunks(messages, stop, kwargs)):
+            if run_manager is not None and chunk.message.content:
+                await run_manager.on_llm_new_token(chunk.text, chunk=chunk)
+            yield chunk
 
 
 def _conversation(messages: Sequence[BaseMessage]) -> tuple[str | None, list[tuple[str, str]]]:

@@ -11,7 +11,7 @@ knows nothing about retrieval or how prompts are routed: that is the server's.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Iterator
-from contextlib import closing, suppress
+from contextlib import closing
 from dataclasses import asdict
 from typing import Any
 
@@ -26,17 +26,19 @@ except ImportError as e:  # pragma: no cover - depends on the environment
     raise ImportError(msg) from e
 
 from pc_rag.engine import PromptCache
-from pc_rag.errors import PCRagError
 from pc_rag.generate import GenerationResult, GenerationStats
+from pc_rag.integrations._langchain_shared import (
+    SETTINGS,
+    in_worker,
+    prompt_cache_server,
+    sampling,
+    store_server,
+    token_ids,
+)
 from pc_rag.integrations._serving import PromptServer
-from pc_rag.serving.scheduler import Scheduler
 from pc_rag.store.document_store import DocumentStore
 
 __all__ = ["PromptCacheLLM"]
-
-# LangChain's generation setting -> pc-rag's SamplingParams field
-_SETTINGS = {"temperature": "temperature", "max_tokens": "max_new_tokens", "top_p": "top_p", "top_k": "top_k",
-             "seed": "seed"}  # fmt: skip
 
 
 class PromptCacheLLM(LLM):
@@ -66,14 +68,12 @@ class PromptCacheLLM(LLM):
     ) -> PromptCacheLLM:
         """Serve module references to ``store``'s chunks with recovery ``mode`` (``None``: the store's); with
         ``batched``, ``batch`` and concurrent calls decode together in a ``Scheduler`` of their own."""
-        scheduler = Scheduler(store.engine.lm) if batched else None
-        return cls(server=PromptServer(store=store, mode=mode, scheduler=scheduler), **settings)
+        return cls(server=store_server(store, mode, batched), **settings)
 
     @classmethod
     def from_prompt_cache(cls, prompt_cache: PromptCache, *, batched: bool = False, **settings: Any) -> PromptCacheLLM:
         """Serve PML prompts with ``prompt_cache``'s schemas (other text by full prefill)."""
-        scheduler = Scheduler(prompt_cache.lm) if batched else None
-        return cls(server=PromptServer(prompt_cache=prompt_cache, scheduler=scheduler), **settings)
+        return cls(server=prompt_cache_server(prompt_cache, batched), **settings)
 
     @property
     def _llm_type(self) -> str:
@@ -90,7 +90,7 @@ class PromptCacheLLM(LLM):
         if store is not None:
             identity = store.manifest.identity
             params |= {"store_id": store.store_id, "store_identity": asdict(identity) if identity else None}
-        return params | {name: getattr(self, name) for name in (*_SETTINGS, "stop")}
+        return params | {name: getattr(self, name) for name in (*SETTINGS, "stop")}
 
     @property
     def last_stats(self) -> GenerationStats | None:
@@ -99,21 +99,11 @@ class PromptCacheLLM(LLM):
 
     def get_token_ids(self, text: str) -> list[int]:
         """Token ids under the served model's own tokenizer (LangChain's default would fetch GPT-2's)."""
-        store, cache = self.server.store, self.server.prompt_cache
-        lm = store.engine.lm if store is not None else cache.lm  # type: ignore[union-attr]
-        return lm.tokenizer(text, add_special_tokens=False)["input_ids"]
-
-    def _sampling(self, stop: list[str] | None, kwargs: dict[str, Any]) -> dict[str, Any]:
-        unknown = set(kwargs) - set(_SETTINGS)
-        if unknown:
-            msg = f"unknown generation settings {sorted(unknown)}; PromptCacheLLM takes {sorted(_SETTINGS)} and stop"
-            raise PCRagError(msg)
-        sampling = {field: kwargs.get(name, getattr(self, name)) for name, field in _SETTINGS.items()}
-        return sampling | {"stop": tuple(stop if stop is not None else self.stop or ())}
+        return token_ids(self.server, text)
 
     def _chunks(self, prompt: str, stop: list[str] | None, kwargs: dict[str, Any]) -> Iterator[GenerationChunk]:
         """Text deltas, then an empty chunk whose ``generation_info`` holds the stats."""
-        stream = self.server.stream(prompt, **self._sampling(stop, kwargs))
+        stream = self.server.stream(prompt, **sampling(self, stop, kwargs))
         yield from (GenerationChunk(text=delta) for delta in stream)
         assert stream.result is not None, "a reply stream ends with its result"
         self._last_stats = stream.result.stats
@@ -140,15 +130,10 @@ class PromptCacheLLM(LLM):
         **kwargs: Any,
     ) -> AsyncIterator[GenerationChunk]:
         """Decode in a worker thread, one delta at a time, so the event loop is never blocked."""
-        chunks = self._chunks(prompt, stop, kwargs)
-        try:
-            while (chunk := await run_in_executor(None, next, chunks, None)) is not None:
-                if run_manager is not None and chunk.text:
-                    await run_manager.on_llm_new_token(chunk.text, chunk=chunk)
-                yield chunk
-        finally:
-            with suppress(ValueError):  # cancelled mid-step: the step still runs in its worker, GC closes it after
-                chunks.close()
+        async for chunk in in_worker(self._chunks(prompt, stop, kwargs)):
+            if run_manager is not None and chunk.text:
+                await run_manager.on_llm_new_token(chunk.text, chunk=chunk)
+            yield chunk
 
     def _call(
         self,
@@ -169,8 +154,8 @@ class PromptCacheLLM(LLM):
         if self.server.scheduler is None or len(prompts) == 1:
             generations = [[_join(self._stream(p, stop, run_manager, **kwargs))] for p in prompts]
             return LLMResult(generations=generations, llm_output=self._llm_output())
-        sampling = self._sampling(stop, kwargs)
-        streams = [self.server.stream(p, **sampling) for p in prompts]  # all submitted: they decode together
+        settings = sampling(self, stop, kwargs)
+        streams = [self.server.stream(p, **settings) for p in prompts]  # all submitted: they decode together
         generations = []
         for stream in streams:
             text = "".join(stream)
