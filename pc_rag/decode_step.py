@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import threading
 import weakref
+from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -27,11 +29,23 @@ from pc_rag.kv import BufferCache
 from pc_rag.weights import FusedKernel
 
 _ARCHITECTURES = {"llama", "mistral", "qwen2", "qwen3"}  # rotate-half RoPE on the whole head, RMSNorm, SiLU MLP
-_STEPS: weakref.WeakKeyDictionary[nn.Module, DecodeStep | None] = weakref.WeakKeyDictionary()
+_BUILT: weakref.WeakKeyDictionary[nn.Module, dict[type, object]] = weakref.WeakKeyDictionary()
 _LOCK = threading.Lock()
 
+T = TypeVar("T")
 
-class _Layer:
+
+def built_once(kind: Callable[[PreTrainedModel], T], model: PreTrainedModel) -> T | None:
+    """``kind(model)``, built once per model and kind (``DecodeStep``, the batched step, the packed prefill); None
+    when a step written out like ``DecodeStep`` would not equal the model's forward (``describes``)."""
+    with _LOCK:
+        built = _BUILT.setdefault(model, {})
+        if kind not in built:
+            built[kind] = kind(model) if describes(model) else None
+        return built[kind]  # type: ignore[return-value]
+
+
+class FusedLayer:
     """One decoder layer's modules, with its projections fused where the weights allow."""
 
     def __init__(self, layer: nn.Module) -> None:
@@ -77,16 +91,13 @@ class DecodeStep:
     def __init__(self, model: PreTrainedModel, compiled: bool = False) -> None:
         self._model = model
         self._decoder = model.get_decoder()
-        self._layers = [_Layer(layer) for layer in self._decoder.layers]
+        self._layers = [FusedLayer(layer) for layer in self._decoder.layers]
         self._run = torch.compile(self._logits, dynamic=True) if compiled else self._logits
 
     @classmethod
     def of(cls, model: PreTrainedModel) -> DecodeStep | None:
         """The model's step, built once per model; None when this step would not equal the model's forward."""
-        with _LOCK:
-            if model not in _STEPS:
-                _STEPS[model] = cls(model) if describes(model) else None
-            return _STEPS[model]
+        return built_once(cls, model)
 
     @staticmethod
     def serves(cache: Cache) -> bool:

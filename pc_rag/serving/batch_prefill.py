@@ -11,8 +11,6 @@ the same bits packed with others as packed alone. Requests with a recovery refre
 
 from __future__ import annotations
 
-import threading
-import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -23,12 +21,9 @@ from transformers import PreTrainedModel
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from pc_rag.attention import FLASH_CPU, attend_after_cache
-from pc_rag.decode_step import describes, rms_norm
+from pc_rag.decode_step import built_once, rms_norm
 from pc_rag.kv import KVBuffer
 from pc_rag.serving.partition_attention import padded_rows
-
-_PREFILLS: weakref.WeakKeyDictionary[nn.Module, BatchPrefill | None] = weakref.WeakKeyDictionary()
-_LOCK = threading.Lock()
 
 
 @dataclass(frozen=True)
@@ -51,10 +46,7 @@ class BatchPrefill:
     @classmethod
     def of(cls, model: PreTrainedModel) -> BatchPrefill | None:
         """The model's packed prefill, built once per model; None when it would not equal the model's forward."""
-        with _LOCK:
-            if model not in _PREFILLS:
-                _PREFILLS[model] = cls(model) if describes(model) else None
-            return _PREFILLS[model]
+        return built_once(cls, model)
 
     @torch.inference_mode()
     def __call__(self, jobs: Sequence[PrefillJob]) -> list[torch.Tensor]:

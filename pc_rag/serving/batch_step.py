@@ -9,25 +9,19 @@ module knows nothing about requests or scheduling.
 
 from __future__ import annotations
 
-import threading
-import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 from transformers import PreTrainedModel
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from pc_rag.decode_step import describes, rms_norm
+from pc_rag.decode_step import FusedLayer, built_once, rms_norm
 from pc_rag.serving.arena import CAPACITY_STEP, PrivateArena
 from pc_rag.serving.partition_attention import SharedRun, padded_rows, partition_attention
 from pc_rag.serving.shared_pool import Segment, SharedKVPool
-from pc_rag.weights import KERNEL_ROWS, FusedKernel
-
-_STEPS: weakref.WeakKeyDictionary[nn.Module, BatchDecodeStep | None] = weakref.WeakKeyDictionary()
-_LOCK = threading.Lock()
+from pc_rag.weights import KERNEL_ROWS
 
 
 @dataclass(frozen=True)
@@ -49,10 +43,7 @@ class BatchDecodeStep:
     @classmethod
     def of(cls, model: PreTrainedModel) -> BatchDecodeStep | None:
         """The model's step, built once per model; None when it would not equal the model's forward."""
-        with _LOCK:
-            if model not in _STEPS:
-                _STEPS[model] = cls(model) if describes(model) else None
-            return _STEPS[model]
+        return built_once(cls, model)
 
     @torch.inference_mode()
     def __call__(
@@ -108,14 +99,8 @@ def _runs(reads: Sequence[SharedRead]) -> list[tuple[int, int, torch.Tensor, tor
     return runs
 
 
-class _BatchLayer:
-    """One decoder layer over B rows, with q/k/v and gate/up fused where the weights allow and B is small."""
-
-    def __init__(self, layer: nn.Module) -> None:
-        self.layer = layer
-        attn, mlp = layer.self_attn, layer.mlp
-        self.qkv = FusedKernel.of([attn.q_proj, attn.k_proj, attn.v_proj])
-        self.gate_up = FusedKernel.of([mlp.gate_proj, mlp.up_proj])
+class _BatchLayer(FusedLayer):
+    """One decoder layer over B rows; its fused q/k/v and gate/up kernels are used while B is small."""
 
     def __call__(
         self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], keys: torch.Tensor, values: torch.Tensor,
