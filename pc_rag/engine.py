@@ -36,7 +36,7 @@ from pc_rag.plan import ServePlan, plan_prompt
 from pc_rag.pml.nodes import Prompt, Role, Schema
 from pc_rag.pml.parser import parse_prompt, parse_schema
 from pc_rag.pml.validate import validate_prompt
-from pc_rag.serving.executor import execute
+from pc_rag.serving.executor import check_length, execute
 from pc_rag.serving.request import Part, Request
 from pc_rag.serving.shared_pool import SegmentKey
 
@@ -54,6 +54,21 @@ class EncodedSchema:
     kv: dict[str, SpanKV]
     scaffolds: dict[str, dict[str, SpanKV]] = field(default_factory=dict)
     uid: str = field(default_factory=lambda: uuid4().hex)  # this encoding, among every schema ever registered
+
+    def share_key(self, name: str, joint: bool) -> SegmentKey:
+        """The key under which requests share span ``name``'s KV (its jointly encoded variant if ``joint``)."""
+        return self._share_keys[name, joint]
+
+    @cached_property
+    def _share_keys(self) -> dict[tuple[str, bool], SegmentKey]:
+        # built once per schema: a request only looks its spans up (keys hash every token and position)
+        keys = {}
+        for name, span in self.layout.spans.items():
+            variants = (False, True) if span.scaffold in self.scaffolds else (False,)
+            for joint in variants:
+                source = f"{self.uid}/{name}" + (f"@{span.scaffold}" if joint else "")
+                keys[name, joint] = SegmentKey(source, tuple(span.token_ids), tuple(span.positions))
+        return keys
 
     @property
     def nbytes(self) -> int:
@@ -169,9 +184,7 @@ class PromptCache:
         )
         wrappers = self.wrappers if uses_roles else None
         plan = plan_prompt(prompt, encoded.layout, self.tokenize, wrappers, add_generation_prompt=uses_roles)
-        if plan.next_position >= self.lm.max_positions:
-            msg = f"prompt reaches position {plan.next_position}; the model has {self.lm.max_positions}"
-            raise ContextLengthError(msg)
+        check_length(self.lm, plan.next_position)
         imported = set(plan.spans)
         parts, keys = [], []
         for name in plan.spans:
@@ -179,8 +192,7 @@ class PromptCache:
             joint = encoded.scaffolds.get(span.scaffold) if span.scaffold else None
             use_joint = joint is not None and imported.issuperset(joint)
             parts.append(joint[name] if use_joint else encoded.kv[name])
-            source = f"{encoded.uid}/{name}" + (f"@{span.scaffold}" if use_joint else "")
-            keys.append(SegmentKey(source, tuple(span.token_ids), tuple(span.positions)))
+            keys.append(encoded.share_key(name, use_joint))
         return _Planned(encoded.layout, plan, parts, keys)
 
     def plan(self, prompt: Prompt | str) -> ServePlan:

@@ -44,10 +44,10 @@ class Prefilled:
         return self.length - computed, computed
 
 
-def check_length(lm: LoadedModel, request: Request) -> None:
-    """Refuse a request whose first generated token would not fit the model's positions."""
-    if request.next_position + 1 > lm.max_positions:
-        msg = f"prompt reaches position {request.next_position}: it exceeds the model's {lm.max_positions} positions"
+def check_length(lm: LoadedModel, next_position: int) -> None:
+    """Refuse a prompt whose first generated token, at ``next_position``, would not fit the model's positions."""
+    if next_position + 1 > lm.max_positions:
+        msg = f"prompt reaches position {next_position}: it exceeds the model's {lm.max_positions} positions"
         raise ContextLengthError(msg)
 
 
@@ -55,7 +55,7 @@ def splice_request(lm: LoadedModel, buffers: BufferPool, request: Request) -> tu
     """A pooled buffer with room for the whole reply, the request's parts spliced into it, and their length.
 
     The caller releases the buffer (``buffers.release``)."""
-    check_length(lm, request)
+    check_length(lm, request.next_position)
     buffer = buffers.acquire(request.spliced + len(request.new_ids) + request.params.max_new_tokens)
     try:
         return buffer, splice(buffer, lm.rope, [(part.kv, part.shift) for part in request.parts])

@@ -204,12 +204,6 @@ class Scheduler:
         tokens = sum(s.length for live in self._rows for s in live.segments)
         return self.pool.held_bytes(), tokens * self.pool.chunk_bytes // CHUNK_TOKENS
 
-    @property
-    def live(self) -> int:
-        """Requests decoding now (batched and alone)."""
-        with self._lock:
-            return len(self._rows) + len(self._alone)
-
     def _start(self) -> None:
         if self._worker is None:
             self._worker = threading.Thread(target=self._run, name="pc-rag-scheduler", daemon=True)

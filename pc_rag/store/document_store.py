@@ -462,9 +462,8 @@ class DocumentStore:
     ) -> ReplyStream:
         """Serve a user-turn prompt carrying module references (or none: plain text, by full prefill).
 
-        The text before the references replaces the preamble, the text after them is
-        computed as the question. ``full=True`` serves the same tokens by full prefill.
-        References to another store or to unknown chunks raise ``StoreError``.
+        The text before the references replaces the preamble, the text after them is computed as the
+        question (``prompt_chunks``). ``full=True`` serves the same tokens by full prefill.
         """
         before, chunks, after = self.prompt_chunks(prompt)
         return self.engine.stream_around(before, chunks, after, None if full else (mode or self.mode), **kwargs)
