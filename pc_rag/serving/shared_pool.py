@@ -114,10 +114,6 @@ class SharedKVPool:
         with self._lock:
             return sum(s.chunks for s in self._segments.values() if s.holders) * self.chunk_bytes
 
-    def free_chunks(self) -> int:
-        with self._lock:
-            return sum(count for _, count in self._free)
-
     def _insert(self, key: SegmentKey, kv: SpanKV) -> Segment:
         layers, kv_heads, _, head_dim = self.keys.shape
         length = kv.length
