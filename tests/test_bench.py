@@ -7,11 +7,11 @@ import torch
 from conftest import tiny_model
 from test_weights import tiny_in
 
-from pc_rag import peers as peers_module
+from pc_rag.bench import peers as peers_module
+from pc_rag.bench.memory import kv_footprint
+from pc_rag.bench.peers import Reply, build_workload, engine_peers, llama_cpp_peers, measure, run_peers
 from pc_rag.cli import main
-from pc_rag.footprint import kv_footprint
 from pc_rag.kv import kv_shape
-from pc_rag.peers import Reply, build_workload, engine_peers, llama_cpp_peers, measure, run_peers
 from pc_rag.rag import RagEngine, RagPrompt
 
 
@@ -102,7 +102,7 @@ def test_bad_lengths_are_refused_before_loading(tokens: str, capsys: pytest.Capt
 def test_encode_bench_times_the_forward_the_engine_and_a_store(engine: RagEngine, monkeypatch) -> None:
     from test_document_store import embedder
 
-    from pc_rag import encode_bench
+    from pc_rag.bench import encode as encode_bench
 
     few = encode_bench.sample_questions()[:2]
     monkeypatch.setattr(encode_bench, "sample_questions", lambda: few)
@@ -113,8 +113,8 @@ def test_encode_bench_times_the_forward_the_engine_and_a_store(engine: RagEngine
 
 
 def test_serve_bench_compares_batched_with_one_at_a_time(tokenizer) -> None:
+    from pc_rag.bench.serve import format_attention, format_serve, run_serve_bench
     from pc_rag.engine import PromptCache
-    from pc_rag.serve_bench import format_attention, format_serve, run_serve_bench
 
     pc = PromptCache(tiny_model("llama", tokenizer))
     result, rows = run_serve_bench(pc, concurrency=4, shared_tokens=200, new_tokens=6, runs=2)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from conftest import tiny_model
 
+from pc_rag.bench.codec import codec_benchmark, format_rows
 from pc_rag.codec import CacheGenCodec, fit_tables
-from pc_rag.codec_bench import codec_benchmark, format_rows
 from pc_rag.rag import RagEngine, RagPrompt
 from pc_rag.sample import sample_questions
 

@@ -7,9 +7,9 @@ import torch
 from conftest import tiny_model
 from test_document_store import DOCS, embedder
 
+from pc_rag.bench.memory import kv_footprint
 from pc_rag.codec import CacheGenCodec, fit_tables
 from pc_rag.errors import StoreCorruptedError, StoreError
-from pc_rag.footprint import kv_footprint
 from pc_rag.rag import RagEngine, RagPrompt
 from pc_rag.rag.tuned import codec_tables_file
 from pc_rag.store.document_store import DocumentStore

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 from conftest import tiny_model
 
+from pc_rag.bench.link import format_rows, link_benchmark
 from pc_rag.cli import main
 from pc_rag.codec import CacheGenCodec, fit_tables
-from pc_rag.link_bench import format_rows, link_benchmark
 from pc_rag.rag import RagEngine, RagPrompt
 from pc_rag.sample import sample_questions
 

@@ -11,7 +11,7 @@ import pytest
 from llama_index.core.base.llms.types import ChatMessage
 from llama_index.core.query_engine import RetrieverQueryEngine
 
-from pc_rag.commands import engine_for
+from pc_rag.cli.store_commands import engine_for
 from pc_rag.integrations.llama_index import PromptCacheQueryEngine
 from pc_rag.integrations.llama_index_query import STATS_KEY
 from pc_rag.model import LoadedModel

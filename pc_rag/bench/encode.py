@@ -16,11 +16,11 @@ from dataclasses import dataclass
 
 import torch
 
+from pc_rag.bench.timing import timed_runs
 from pc_rag.errors import PCRagError
 from pc_rag.rag import RagEngine
 from pc_rag.rag.engine import ENCODE_BATCH
 from pc_rag.sample import sample_questions
-from pc_rag.timing import timed_runs
 
 CHUNK_TOKENS = 256
 

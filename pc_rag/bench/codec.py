@@ -16,11 +16,11 @@ from dataclasses import dataclass
 import torch
 import zstandard
 
+from pc_rag.bench.timing import timed_runs
 from pc_rag.codec import CacheGenCodec
 from pc_rag.codec.quantize import quantize
 from pc_rag.rag.engine import RagEngine
 from pc_rag.sample import sample_questions
-from pc_rag.timing import timed_runs
 
 MODE = "default"
 ZSTD_LEVEL = 19

@@ -9,11 +9,10 @@ module knows nothing about retrieval; it drives the engine and a stopwatch.
 
 from __future__ import annotations
 
-import json
 import statistics
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 from pc_rag.assemble import forward_new_tokens, splice
@@ -98,11 +97,6 @@ def print_table(rows: Sequence[TTFTRow]) -> None:
         ratio = r.cached_ttft_ms / r.floor_ms
         print(f"{r.context_tokens:>8} {r.full_ttft_ms:>9.1f} {r.cached_ttft_ms:>10.1f} {r.floor_ms:>9.1f} "
               f"{r.speedup:>7.1f}x {ratio:>12.2f}x")  # fmt: skip
-
-
-def write_json(rows: Sequence[object], path: Path) -> None:
-    """Benchmark rows (dataclasses) as a JSON list."""
-    path.write_text(json.dumps([asdict(r) for r in rows], indent=2) + "\n")  # type: ignore[call-overload]
 
 
 def plot_ttft(rows: Sequence[TTFTRow], path: Path) -> None:

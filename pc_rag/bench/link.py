@@ -20,12 +20,12 @@ from math import inf
 import numpy as np
 import torch
 
+from pc_rag.bench.timing import timed_runs
 from pc_rag.codec import CacheGenCodec
 from pc_rag.kv import SpanKV
 from pc_rag.rag.engine import Chunk, RagEngine
 from pc_rag.sample import sample_questions
 from pc_rag.store.loader import RAW, TEXT, AdaptiveLoader, Throttled
-from pc_rag.timing import timed_runs
 
 MODE = "default"
 

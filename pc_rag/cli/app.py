@@ -118,7 +118,7 @@ def _run(args: argparse.Namespace) -> int:
         _lengths(args.tokens)  # refuse bad lengths before the model loads
     if args.command == "bench" and args.kind == "link":
         _bandwidths(args.bandwidth)
-    from pc_rag import commands
+    from pc_rag.cli import store_commands
 
     docs = None
     if args.command == "index":  # read and check everything before the model loads or anything is written
@@ -126,10 +126,10 @@ def _run(args: argparse.Namespace) -> int:
         from pc_rag.store.ingest import read_documents
 
         overlap, chunk = args.overlap, args.chunk_tokens
-        if overlap is not None and overlap >= (chunk or commands.CREATION_DEFAULTS["chunk_tokens"]):
+        if overlap is not None and overlap >= (chunk or store_commands.CREATION_DEFAULTS["chunk_tokens"]):
             msg = f"--overlap {overlap} must be smaller than --chunk-tokens {chunk or 256}"
             raise PCRagError(msg)
-        commands.check_store_target(args.store, must_exist=False)
+        store_commands.check_store_target(args.store, must_exist=False)
         parse_codec(args.codec)
         docs = read_documents(args.paths)[: args.limit]
     elif args.command in ("ask", "store", "serve"):
@@ -139,30 +139,30 @@ def _run(args: argparse.Namespace) -> int:
             from pc_rag.store.codec_setup import parse_codec
 
             parse_codec(args.codec)
-        commands.check_store_target(args.store, must_exist=True)
+        store_commands.check_store_target(args.store, must_exist=True)
         if args.command == "ask" and not args.question.strip():
             msg = "the question is empty"
             raise PCRagError(msg)
     store = getattr(args, "store", None)
-    dtype = args.dtype or (commands.store_compute_dtype(store) if store else None) or "float32"
+    dtype = args.dtype or (store_commands.store_compute_dtype(store) if store else None) or "float32"
     lm = load_model(args.model or DEFAULT_MODEL, device=args.device, dtype=dtype)
     if args.command == "tune":
         return tune_cli.run_tune(args, lm)
     if args.command == "tune-codec":
         return tune_cli.run_tune_codec(args, lm)
     if args.command == "demo":
-        commands.demo(lm, args.questions)
+        store_commands.demo(lm, args.questions)
     elif args.command == "index":
         assert docs is not None
-        commands.index(lm, docs, args.store, chunk_tokens=args.chunk_tokens, overlap=args.overlap, mode=args.mode,
+        store_commands.index(lm, docs, args.store, chunk_tokens=args.chunk_tokens, overlap=args.overlap, mode=args.mode,
                        index_kind=args.index_kind, kv_dtype=args.kv_dtype, codec=args.codec)  # fmt: skip
     elif args.command == "ask":
-        commands.ask(lm, args.store, args.question, k=args.k, mode=args.mode, compare_full=args.full,
+        store_commands.ask(lm, args.store, args.question, k=args.k, mode=args.mode, compare_full=args.full,
                      max_new_tokens=args.max_new_tokens)  # fmt: skip
     elif args.command == "store":
-        commands.store_maintenance(lm, args.action, args.store, args.codec)
+        store_commands.store_maintenance(lm, args.action, args.store, args.codec)
     elif args.command == "serve":
-        commands.serve(lm, args.store, host=args.host, port=args.port, mode=args.mode, max_batch=args.max_batch,
+        store_commands.serve(lm, args.store, host=args.host, port=args.port, mode=args.mode, max_batch=args.max_batch,
                        queue_limit=args.queue_limit)  # fmt: skip
     elif args.command == "bench":
         _run_bench(args, lm)
@@ -190,20 +190,20 @@ _positive, _non_negative = _at_least(1), _at_least(0)
 
 
 def _run_bench(args: argparse.Namespace, lm: object) -> None:
-    from pc_rag.bench import write_json
+    from pc_rag.bench.output import write_json
     from pc_rag.engine import PromptCache
     from pc_rag.rag import RagEngine, RagPrompt
 
     if args.kind == "ttft":
-        from pc_rag.bench import plot_ttft, print_table, ttft_benchmark
+        from pc_rag.bench.ttft import plot_ttft, print_table, ttft_benchmark
 
         rows = ttft_benchmark(PromptCache(lm), _lengths(args.tokens), runs=args.runs)
         print_table(rows)
         if args.plot:
             plot_ttft(rows, args.plot)
     elif args.kind == "peers":
+        from pc_rag.bench.peers import format_rows, run_peers
         from pc_rag.model import DEFAULT_MODEL, gguf_file, load_model
-        from pc_rag.peers import format_rows, run_peers
 
         gguf = gguf_file(args.model or DEFAULT_MODEL)
         engine = RagEngine(lm, RagPrompt.longbench())
@@ -213,14 +213,14 @@ def _run_bench(args: argparse.Namespace, lm: object) -> None:
         rows = run_peers(engine, _lengths(args.tokens), args.runs, str(gguf) if gguf else None, reference=reference)
         print(format_rows(rows))
     elif args.kind == "link":
-        from pc_rag.link_bench import format_rows, link_benchmark
+        from pc_rag.bench.link import format_rows, link_benchmark
 
         engine = RagEngine(lm, RagPrompt.longbench())
         rows = link_benchmark(engine, _codec_for(lm), _bandwidths(args.bandwidth), questions=args.questions,
                               ttft_target_s=args.target_ms / 1000)  # fmt: skip
         print(format_rows(rows))
     elif args.kind == "codec":
-        from pc_rag.codec_bench import codec_benchmark, format_rows
+        from pc_rag.bench.codec import codec_benchmark, format_rows
 
         engine = RagEngine(lm, RagPrompt.longbench())
         rows = codec_benchmark(engine, _codec_for(lm), questions=args.questions, workers=args.workers)
@@ -229,7 +229,7 @@ def _run_bench(args: argparse.Namespace, lm: object) -> None:
         import json
         from dataclasses import asdict
 
-        from pc_rag.serve_bench import format_attention, format_serve, run_serve_bench
+        from pc_rag.bench.serve import format_attention, format_serve, run_serve_bench
 
         sizes = {"concurrency": args.concurrency, "shared_tokens": args.shared_tokens, "new_tokens": args.new_tokens}
         result, attention = run_serve_bench(PromptCache(lm), **sizes)
@@ -240,15 +240,15 @@ def _run_bench(args: argparse.Namespace, lm: object) -> None:
             args.json.write_text(json.dumps(out, indent=2) + "\n")
         return
     elif args.kind == "encode":
-        from pc_rag.encode_bench import encode_benchmark, format_rows
+        from pc_rag.bench.encode import encode_benchmark, format_rows
 
         rows = encode_benchmark(RagEngine(lm, RagPrompt.longbench()), runs=args.runs)
         print(format_rows(rows))
     else:
         import torch
 
+        from pc_rag.bench.memory import format_rows, kv_footprint
         from pc_rag.codec import CodecTables
-        from pc_rag.footprint import format_rows, kv_footprint
         from pc_rag.rag.tuned import find_codec_tables
 
         tables = find_codec_tables(lm.fingerprint())  # every level the model's CacheGen tables have
