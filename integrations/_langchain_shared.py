@@ -11,7 +11,7 @@ from langchain_core.runnables.config import run_in_executor
 
 from pc_rag.engine import PromptCache
 from pc_rag.errors import PCRagError
-from pc_rag.integrations._serving import PromptServer
+from pc_rag.serving.prompt_server import PromptServer
 from pc_rag.serving.scheduler import Scheduler
 from pc_rag.store.document_store import DocumentStore
 

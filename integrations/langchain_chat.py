@@ -36,7 +36,7 @@ from pc_rag.integrations._langchain_shared import (
     store_server,
     token_ids,
 )
-from pc_rag.integrations._serving import PromptServer
+from pc_rag.serving.prompt_server import PromptServer
 from pc_rag.store.document_store import DocumentStore
 
 __all__ = ["ChatPromptCache"]

@@ -88,7 +88,7 @@ def module_prompt_template(store: DocumentStore) -> PromptTemplate:
 
     Its text before ``{context}`` is the engine's preamble, so the preamble's KV is
     reused too; with ``format_modules`` as context, a chain answers exactly like
-    ``store.answer(question)``.
+    ``PromptServer(store=store).answer(question)``.
     """
     prompt = store.engine.prompt
     preamble = prompt.preamble.replace("{", "{{").replace("}", "}}")

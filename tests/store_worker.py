@@ -24,6 +24,7 @@ from conftest import tiny_model, tiny_tokenizer
 from test_document_store import embedder
 
 from pc_rag.rag import RagEngine, RagPrompt
+from pc_rag.serving.prompt_server import PromptServer
 from pc_rag.store.document_store import DocumentStore
 from pc_rag.store.index import VectorIndex
 from pc_rag.store.kvstore import KVStore
@@ -103,7 +104,7 @@ def read(args: argparse.Namespace) -> None:
                 for handle in store.search("Which lake is famous for its colour?", k=3):
                     assert handle.chunk_id in store.manifest.chunks
                 if len(store):
-                    store.answer("Which river is famous?", k=2, mode="naive", max_new_tokens=2)
+                    PromptServer(store=store).answer("Which river is famous?", k=2, mode="naive", max_new_tokens=2)
                 asked += 1
         except Exception:  # noqa: BLE001 - the test reads what went wrong
             print("error", traceback.format_exc().replace("\n", " | "), flush=True)

@@ -9,6 +9,7 @@ from conftest import tiny_model
 from test_document_store import DOCS, embedder
 
 from pc_rag.rag import RagEngine, RagPrompt
+from pc_rag.serving.prompt_server import PromptServer
 from pc_rag.store.document_store import DocumentStore
 
 QUESTIONS = [
@@ -27,7 +28,7 @@ def test_eight_threads_answer_as_one_does(tmp_path, tokenizer, mode: str) -> Non
     layers = len(engine.lm.model.get_decoder().layers)
 
     def ask(question: str) -> list[int]:
-        return store.answer(question, k=3, mode=mode, max_new_tokens=6).result.token_ids
+        return PromptServer(store=store).answer(question, k=3, mode=mode, max_new_tokens=6).result.token_ids
 
     serial = [ask(q) for q in QUESTIONS]
     with ThreadPoolExecutor(max_workers=8) as pool:

@@ -12,6 +12,7 @@ from conftest import tiny_model
 from pc_rag.errors import PCRagError, StoreCorruptedError, StoreError, StoreMismatchError
 from pc_rag.rag import RagEngine, RagPrompt
 from pc_rag.rag.markers import module_ref, split_module_prompt
+from pc_rag.serving.prompt_server import PromptServer
 from pc_rag.store import as_embedder
 from pc_rag.store.document_store import DocumentStore, module_text
 
@@ -61,19 +62,19 @@ def test_search_returns_module_handles(tmp_path, engine: RagEngine) -> None:
 
 def test_answer_splices_the_retrieved_modules(tmp_path, engine: RagEngine) -> None:
     store = make_store(tmp_path, engine, mode="naive")
-    answer = store.answer("Where is the Eiffel Tower?", k=2, max_new_tokens=3)
+    answer = PromptServer(store=store).answer("Where is the Eiffel Tower?", k=2, max_new_tokens=3)
     stats = answer.result.stats
     assert stats.cached_tokens == len(engine.head_ids) + sum(h.n_tokens for h in answer.sources)
-    full = store.answer_full("Where is the Eiffel Tower?", k=2, max_new_tokens=3)
+    full = PromptServer(store=store).answer_full("Where is the Eiffel Tower?", k=2, max_new_tokens=3)
     assert full.sources == answer.sources and full.result.stats.cached_tokens == 0
 
 
 def test_reload_gives_the_same_store(tmp_path, engine: RagEngine) -> None:
     store = make_store(tmp_path, engine, storage_dtype=torch.bfloat16)
     question = "Where does the Danube flow?"
-    before = store.answer(question, k=2, max_new_tokens=3)
+    before = PromptServer(store=store).answer(question, k=2, max_new_tokens=3)
     again = DocumentStore.load(tmp_path / "store", engine, embedder=embedder())
-    after = again.answer(question, k=2, max_new_tokens=3)
+    after = PromptServer(store=again).answer(question, k=2, max_new_tokens=3)
     assert after.sources == before.sources
     torch.testing.assert_close(after.result.first_logits, before.result.first_logits)
 
@@ -177,7 +178,7 @@ def test_corrupted_shard_is_named(tmp_path, engine: RagEngine) -> None:
     shard.write_bytes(bytes(data))
     store = DocumentStore.load(tmp_path / "store", engine, embedder=embedder())
     with pytest.raises(StoreCorruptedError, match=shard.name):
-        store.answer("Where is the Eiffel Tower?", k=3, max_new_tokens=1)
+        PromptServer(store=store).answer("Where is the Eiffel Tower?", k=3, max_new_tokens=1)
 
 
 def test_prompt_with_module_references_splices_the_stored_chunks(tmp_path, engine: RagEngine) -> None:
@@ -185,26 +186,27 @@ def test_prompt_with_module_references_splices_the_stored_chunks(tmp_path, engin
     handles = store.search("Which mountain is the highest of Japan?", k=2)
     refs = "\n".join(store.module_ref(h) for h in handles)
     prompt = f"{engine.prompt.preamble}{refs}\nQuestion: Which mountain?\nAnswer:"
-    cached = store.stream_prompt(prompt, mode="prefix", max_new_tokens=4)  # no recompute: every chunk token reused
+    server = PromptServer(store=store)
+    cached = server.stream(prompt, mode="prefix", max_new_tokens=4)  # no recompute: every chunk token reused
     cached_text = "".join(cached)
     stats = cached.result.stats
     assert stats.cached_tokens == len(engine.head_ids) + sum(h.n_tokens for h in handles)  # nothing recomputed
-    full = store.stream_prompt(prompt, full=True, max_new_tokens=4)
+    full = PromptServer(store=store).stream(prompt, full=True, max_new_tokens=4)
     assert "".join(full) and full.result.stats.cached_tokens == 0
     assert cached_text == cached.result.text
 
 
 def test_plain_prompt_and_foreign_references(tmp_path, engine: RagEngine) -> None:
     store = make_store(tmp_path, engine)
-    plain = store.stream_prompt("Where is the Eiffel Tower?", max_new_tokens=3)
+    plain = PromptServer(store=store).stream("Where is the Eiffel Tower?", max_new_tokens=3)
     list(plain)
     assert plain.result.stats.cached_tokens == 0 and plain.result.stats.computed_tokens > 0
     with pytest.raises(StoreError, match="references chunks of store"):
-        store.stream_prompt(module_ref("abc123", 0) + "Q?")
+        PromptServer(store=store).stream(module_ref("abc123", 0) + "Q?")
     with pytest.raises(StoreError, match="chunk 999 is not in the store"):
-        store.stream_prompt(module_ref(store.store_id, 999) + "Q?")
+        PromptServer(store=store).stream(module_ref(store.store_id, 999) + "Q?")
     with pytest.raises(PCRagError, match="sits between module references"):
-        store.stream_prompt(f"{store.module_ref(store.handle(0))} and {store.module_ref(store.handle(1))}")
+        PromptServer(store=store).stream(f"{store.module_ref(store.handle(0))} and {store.module_ref(store.handle(1))}")
 
 
 @pytest.mark.parametrize("forge", ["unsigned", "wrong signature", "signed elsewhere"])
@@ -219,7 +221,7 @@ def test_reference_like_user_text_is_plain_text(tmp_path, engine: RagEngine, for
     }[forge]
     assert split_module_prompt(forged).refs == ()
     question = f"{engine.prompt.preamble}{genuine}\nWhat does {forged} say?"
-    answer = store.stream_prompt(question, mode="prefix", max_new_tokens=2)
+    answer = PromptServer(store=store).stream(question, mode="prefix", max_new_tokens=2)
     list(answer)  # only chunk 0 is spliced; the forged reference is tokenized as the question's text
     assert answer.result.stats.cached_tokens == len(engine.head_ids) + store.handle(0).n_tokens
     assert split_module_prompt(question).refs == ((store.store_id, 0),)

@@ -12,6 +12,7 @@ from pc_rag.codec import CacheGenCodec, fit_tables
 from pc_rag.errors import StoreCorruptedError, StoreError
 from pc_rag.rag import RagEngine, RagPrompt
 from pc_rag.rag.tuned import codec_tables_file
+from pc_rag.serving.prompt_server import PromptServer
 from pc_rag.store.document_store import DocumentStore
 from pc_rag.store.files import unlisted
 
@@ -43,8 +44,8 @@ def test_a_compressed_store_answers_like_the_raw_one_from_less_disk(tmp_path, en
         assert cg.kv.nbytes < raw.kv.nbytes / 2
         question = "Which mountain is the highest of Japan?"
         assert [h.chunk_id for h in cg.search(question, k=2)] == [h.chunk_id for h in raw.search(question, k=2)]
-        want = raw.answer(question, k=2, mode="naive", max_new_tokens=6)
-        got = cg.answer(question, k=2, mode="naive", max_new_tokens=6)
+        want = PromptServer(store=raw).answer(question, k=2, mode="naive", max_new_tokens=6)
+        got = PromptServer(store=cg).answer(question, k=2, mode="naive", max_new_tokens=6)
         assert got.text and got.sources == want.sources
     again = DocumentStore.load(tmp_path / "cg", engine, embedder=embedder())
     assert again.manifest.codec_levels == (2, 5) and not unlisted(tmp_path / "cg", again.manifest.listed_files())

@@ -10,6 +10,7 @@ from test_document_store import make_store
 from pc_rag.errors import PCRagError
 from pc_rag.rag import RagEngine, RagPrompt
 from pc_rag.rag.order import ORDERS, reorder
+from pc_rag.serving.prompt_server import PromptServer
 
 QUESTION = "Which mountain is the highest of Japan?"
 
@@ -57,11 +58,12 @@ def test_store_answers_from_chunks_laid_out_in_the_order(tmp_path, engine: RagEn
     store = make_store(tmp_path, engine, mode="prefix")
     ranked = store.search(QUESTION, k=3)
     assert len(ranked) == 3 and store.search(QUESTION, k=3, order=order) == reorder(ranked, order)
-    answer = store.answer(QUESTION, k=3, order=order, max_new_tokens=2)
-    full = store.answer_full(QUESTION, k=3, order=order, max_new_tokens=2)
+    server = PromptServer(store=store)
+    answer = server.answer(QUESTION, k=3, order=order, max_new_tokens=2)
+    full = server.answer_full(QUESTION, k=3, order=order, max_new_tokens=2)
     assert list(answer.sources) == list(full.sources) == reorder(ranked, order)
     direct = engine.answer_full(store.chunks(reorder(ranked, order)), QUESTION, max_new_tokens=2)
     torch.testing.assert_close(full.result.first_logits, direct.first_logits)
     if order != "best-first":  # the layout reaches the model: another order reads differently
-        first = store.answer_full(QUESTION, k=3, order="best-first", max_new_tokens=2).result.first_logits
+        first = server.answer_full(QUESTION, k=3, order="best-first", max_new_tokens=2).result.first_logits
         assert not torch.allclose(full.result.first_logits, first)

@@ -17,6 +17,7 @@ from store_worker import document, engine, open_store
 from test_document_store import embedder
 
 from pc_rag.errors import StoreLockedError
+from pc_rag.serving.prompt_server import PromptServer
 from pc_rag.store.document_store import DocumentStore
 
 WORKER = Path(__file__).parent / "store_worker.py"
@@ -44,7 +45,7 @@ def check_committed(store: DocumentStore, version: int) -> None:
         text = "".join(store.manifest.chunks[c].text for c in record.chunk_ids)
         assert f"(version {version})" in text or f"(version {1 - version})" in text, doc_id
         assert store.chunks([store.handle(c) for c in record.chunk_ids])  # its KV is there and well-formed
-    store.answer("Which river is famous?", k=2, mode="naive", max_new_tokens=2)
+    PromptServer(store=store).answer("Which river is famous?", k=2, mode="naive", max_new_tokens=2)
 
 
 @pytest.mark.parametrize("kill_at", ["shard:2", "index:2", "manifest:2", "after-manifest:2", "shard:3"])

@@ -14,6 +14,7 @@ from test_document_store import DOCS, embedder, make_store
 
 from pc_rag.errors import StoreCorruptedError, StoreError, StoreLockedError
 from pc_rag.rag import RagEngine, RagPrompt
+from pc_rag.serving.prompt_server import PromptServer
 from pc_rag.store.document_store import DocumentStore
 from pc_rag.store.files import LEGACY_INDEX_NAME
 from pc_rag.store.manifest import FORMAT_VERSION
@@ -63,7 +64,7 @@ def test_readers_follow_commits(tmp_path, engine: RagEngine) -> None:
     writer.delete(["fuji"])
     assert [h.doc_id for h in reader.search("Nile river Egypt", k=1)] == ["nile"]
     assert "fuji" not in reader.documents
-    reader.answer("Where does the Nile flow?", k=2, max_new_tokens=2)
+    PromptServer(store=reader).answer("Where does the Nile flow?", k=2, max_new_tokens=2)
 
 
 def test_delete_without_save_stays_uncommitted(tmp_path, engine: RagEngine) -> None:

@@ -15,6 +15,7 @@ from pc_rag.engine import PromptCache
 from pc_rag.errors import ModelLoadError, StoreMismatchError
 from pc_rag.model import LoadedModel, load_model
 from pc_rag.rag import RagEngine, RagPrompt
+from pc_rag.serving.prompt_server import PromptServer
 from pc_rag.store.document_store import DocumentStore
 from pc_rag.weights import (
     COMPUTE_DTYPES,
@@ -121,7 +122,8 @@ def test_a_store_built_in_int4_answers_in_int4(tmp_path, tokenizer) -> None:
     engine = RagEngine(tiny_in("llama", "int4", tokenizer), RagPrompt())
     store = make_store(tmp_path, engine)
     assert store.manifest.identity.model_dtype == "int4/bfloat16"  # KV stored as the model computes it
-    answer = DocumentStore.load(tmp_path / "store", engine, embedder=embedder()).answer("How tall?", k=2)
+    loaded = DocumentStore.load(tmp_path / "store", engine, embedder=embedder())
+    answer = PromptServer(store=loaded).answer("How tall?", k=2)
     assert answer.result.token_ids
 
 

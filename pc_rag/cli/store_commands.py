@@ -14,6 +14,7 @@ from pathlib import Path
 from pc_rag.errors import PCRagError, StoreError
 from pc_rag.model import LoadedModel
 from pc_rag.rag import RagEngine, RagPrompt
+from pc_rag.serving.prompt_server import PromptServer
 from pc_rag.store.codec_setup import parse_codec
 from pc_rag.store.document_store import DocumentStore
 from pc_rag.store.files import bytes_on_disk, check_store_directory
@@ -126,7 +127,8 @@ def ask(lm: LoadedModel, store_dir: Path, question: str, *, k: int, mode: str | 
     if k > len(store):
         msg = f"k={k} is larger than the store ({len(store)} chunks)"
         raise StoreError(msg)
-    answer = store.answer(question, k=k, mode=mode, max_new_tokens=max_new_tokens)
+    server = PromptServer(store=store)
+    answer = server.answer(question, k=k, mode=mode, max_new_tokens=max_new_tokens)
     print(answer.text.strip())
     print("\nsources:")
     for h in answer.sources:
@@ -138,7 +140,7 @@ def ask(lm: LoadedModel, store_dir: Path, question: str, *, k: int, mode: str | 
         f"\nTTFT {stats.ttft_ms:.0f} ms cached ({stats.cached_tokens} cached, {stats.computed_tokens} computed tokens)"
     )
     if compare_full:
-        full = store.answer_full(question, k=k, max_new_tokens=max_new_tokens)
+        full = server.answer_full(question, k=k, max_new_tokens=max_new_tokens)
         print(f"TTFT {full.result.stats.ttft_ms:.0f} ms full prefill; full prefill answered: {full.text.strip()!r}")
 
 
@@ -152,7 +154,6 @@ def serve(lm: LoadedModel, store_dir: Path, *, host: str, port: int, mode: str |
     except ImportError as e:
         msg = "`pc-rag serve` needs FastAPI and uvicorn: pip install 'pc-rag[serve]'"
         raise PCRagError(msg) from e
-    from pc_rag.integrations._serving import PromptServer
     from pc_rag.serving.http import create_app
     from pc_rag.serving.scheduler import Scheduler
 
@@ -177,9 +178,10 @@ def demo(lm: LoadedModel, questions: int) -> None:
         store = DocumentStore.create(Path(tmp) / "store", engine_for(lm))
         docs = {f"{t}\n{x}": {"title": t} for q in sample for t, x in q.passages}
         store.add_documents(list(docs.items()))
+        server = PromptServer(store=store)
         print(f"{'question':<58} {'cached':>8} {'full':>8}  answer (cached | full) [gold]")
         for q in sample[:questions]:
-            cached = store.answer(q.question, k=5, max_new_tokens=24)
-            full = store.answer_full(q.question, k=5, max_new_tokens=24)
+            cached = server.answer(q.question, k=5, max_new_tokens=24)
+            full = server.answer_full(q.question, k=5, max_new_tokens=24)
             print(f"{q.question[:58]:<58} {cached.result.stats.ttft_ms:>6.0f}ms {full.result.stats.ttft_ms:>6.0f}ms  "
                   f"{cached.text.strip()!r} | {full.text.strip()!r} [{q.answers[0]}]")  # fmt: skip

@@ -37,6 +37,7 @@ from pc_rag.kv import BufferPool, KVBuffer, SpanKV
 from pc_rag.model import LoadedModel
 from pc_rag.model_call import ModelCall
 from pc_rag.rag.adapter import SpliceAdapter
+from pc_rag.rag.chunk import Chunk
 from pc_rag.rag.modes import RecoveryMode, resolve_mode
 from pc_rag.rag.prompt import RagPrompt
 from pc_rag.rag.query_select import query_indices, question_attention
@@ -48,16 +49,6 @@ from pc_rag.serving.request import Part, Refresh, Request
 from pc_rag.serving.shared_pool import SegmentKey
 
 ENCODE_BATCH = 8
-
-
-@dataclass(frozen=True)
-class Chunk:
-    """A chunk's text, tokens and KV at its canonical positions; ``conditioned`` if encoded after the preamble."""
-
-    text: str
-    token_ids: tuple[int, ...]
-    kv: SpanKV
-    conditioned: bool
 
 
 class RagEngine:

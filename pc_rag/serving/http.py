@@ -12,20 +12,21 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 from pc_rag.errors import PCRagError, ServerBusyError
 from pc_rag.generate import GenerationResult, ReplyStream, collect
-from pc_rag.rag.order import DEFAULT_ORDER
 from pc_rag.serving.openai_api import ChatBody, CompletionBody, RagBody, Reply, error_body
+from pc_rag.serving.prompt_server import PromptServer
 from pc_rag.serving.request import Request
 from pc_rag.serving.scheduler import Scheduler
 
 DEFAULT_MAX_TOKENS = 64
 
 
-def create_app(server: Any, scheduler: Scheduler) -> Any:
-    """The FastAPI app serving ``server`` (an ``integrations.PromptServer``) through ``scheduler``."""
+def create_app(server: PromptServer, scheduler: Scheduler) -> Any:
+    """The FastAPI app serving ``server`` through ``scheduler``."""
     try:
         from fastapi import FastAPI
         from fastapi.responses import JSONResponse, StreamingResponse
@@ -65,17 +66,10 @@ def create_app(server: Any, scheduler: Scheduler) -> Any:
 
     @app.post("/v1/rag")
     def rag(body: RagBody) -> dict[str, object]:
-        store = server.store
-        if store is None:
+        if server.store is None:
             raise PCRagError("this server has no document store: /v1/rag needs `pc-rag serve --store DIR`")
 
-        def build() -> tuple[list[Any], Request]:
-            handles = store.search(body.question, body.k, DEFAULT_ORDER)  # laid out as `DocumentStore.answer` does
-            mode = body.mode or server.mode or store.mode
-            return handles, store.engine.request(
-                store.chunks(handles), body.question, mode, max_new_tokens=body.max_tokens
-            )
-
+        build = partial(server.rag_request, body.question, body.k, body.mode, max_new_tokens=body.max_tokens)
         handles, request = scheduler.call(build)
         result = collect(scheduler.submit(request))
         return {

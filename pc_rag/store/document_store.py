@@ -1,11 +1,12 @@
-"""A document store: one prompt module per chunk, indexed in FAISS, answered through the RAG engine.
+"""A document store: one prompt module per chunk, its KV encoded once, indexed in FAISS.
 
 Adding documents splits them into token chunks, encodes each chunk's KV once
 (in batches, at the engine's canonical position), embeds it and indexes it.
-Retrieval returns ``ModuleHandle``s, not text; answering splices the handles'
-KV. On disk a store is ``manifest.json`` (the commit point, written last),
-``kv/*.safetensors`` shards and one index file per commit (``files``). This
-module knows nothing about attention or recovery: that is the engine's.
+Retrieval returns ``ModuleHandle``s, not text, and ``chunks`` hands their KV to
+whoever answers (``pc_rag.serving.PromptServer``): the store only stores. On disk
+a store is ``manifest.json`` (the commit point, written last), ``kv/*.safetensors``
+shards and one index file per commit (``files``). This module knows nothing about
+attention, recovery or serving.
 """
 
 from __future__ import annotations
@@ -15,17 +16,16 @@ import logging
 import threading
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from tqdm.auto import tqdm
 
 from pc_rag.errors import StoreError
-from pc_rag.generate import ReplyStream
-from pc_rag.rag.engine import Chunk, RagEngine
+from pc_rag.rag.chunk import Chunk
 from pc_rag.rag.markers import module_ref, split_module_prompt
 from pc_rag.rag.modes import resolve_mode
-from pc_rag.rag.order import BEST_FIRST, DEFAULT_ORDER, reorder
+from pc_rag.rag.order import BEST_FIRST, reorder
 from pc_rag.store._atomic import sha256_file
 from pc_rag.store.chunking import commit_parts, split_text
 from pc_rag.store.codec_setup import install_codec, open_codec, parse_codec
@@ -33,12 +33,15 @@ from pc_rag.store.committed import manifest_stamp, read_commit
 from pc_rag.store.consistency import RepairReport, check_contents, repair_contents
 from pc_rag.store.embeddings import Embedder, SentenceTransformerEmbedder, as_embedder
 from pc_rag.store.files import bytes_on_disk, check_store_directory, index_name, remove_unlisted
-from pc_rag.store.handles import Answer, ModuleHandle
+from pc_rag.store.handles import ModuleHandle
 from pc_rag.store.identity import serving_assumptions, storage_dtype, store_identity, warn_if_serving_changed
 from pc_rag.store.index import VectorIndex
 from pc_rag.store.kvstore import DEFAULT_LRU_BYTES, KVStore
 from pc_rag.store.manifest import MANIFEST_NAME, ChunkRecord, DocRecord, IndexRecord, Manifest
 from pc_rag.store.writer_lock import WriterLock
+
+if TYPE_CHECKING:  # the engine encodes for the store; importing it would load the serving stack
+    from pc_rag.rag.engine import RagEngine
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +62,7 @@ class DocumentStore:
     the manifest, so a killed writer leaves the last commit intact. Loading never
     writes and never waits for the lock; a loaded store follows later commits
     (``refresh``, run by ``search``). Thread-safe: writes are serialized,
-    searches and answers run alongside them.
+    searches and reads of chunk KV run alongside them.
     """
 
     def __init__(
@@ -410,23 +413,6 @@ class DocumentStore:
             out.append(Chunk(text, tuple(self.engine.tokenize(text)), kv, conditioned))
         return out
 
-    def answer(
-        self, question: str, k: int = 5, mode: str | None = None, *, order: str = DEFAULT_ORDER, **kwargs: object
-    ) -> Answer:
-        """Retrieve ``k`` chunks and answer from their cached KV, laid out in ``order`` (sources too).
-
-        ``mode`` defaults to the store's.
-        """
-        handles = self.search(question, k, order)
-        result = self.engine.answer(self.chunks(handles), question, mode or self.mode, **kwargs)
-        return Answer(result.text, tuple(handles), result)
-
-    def answer_full(self, question: str, k: int = 5, *, order: str = DEFAULT_ORDER, **kwargs: object) -> Answer:
-        """The same retrieval and layout, answered by full prefill (the baseline)."""
-        handles = self.search(question, k, order)
-        result = self.engine.answer_full(self.chunks(handles), question, **kwargs)
-        return Answer(result.text, tuple(handles), result)
-
     @property
     def store_id(self) -> str:
         """Names this store in module references (see ``pc_rag.rag.markers``): its resolved directory, hashed."""
@@ -456,17 +442,6 @@ class DocumentStore:
             "doc_id": handle.doc_id,
             "n_tokens": handle.n_tokens,
         }
-
-    def stream_prompt(
-        self, prompt: str, mode: str | None = None, *, full: bool = False, **kwargs: object
-    ) -> ReplyStream:
-        """Serve a user-turn prompt carrying module references (or none: plain text, by full prefill).
-
-        The text before the references replaces the preamble, the text after them is computed as the
-        question (``prompt_chunks``). ``full=True`` serves the same tokens by full prefill.
-        """
-        before, chunks, after = self.prompt_chunks(prompt)
-        return self.engine.stream_around(before, chunks, after, None if full else (mode or self.mode), **kwargs)
 
     def prompt_chunks(self, prompt: str) -> tuple[str, list[Chunk], str]:
         """A prompt carrying module references as (text before them, their chunks, text after them).

@@ -1,11 +1,9 @@
-"""What retrieval and answering hand back: module handles (a chunk to splice, and its source) and answers."""
+"""What retrieval hands back: a module handle, the chunk to splice and its source."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
-
-from pc_rag.generate import GenerationResult
 
 
 @dataclass(frozen=True)
@@ -18,12 +16,3 @@ class ModuleHandle:
     text: str
     doc_id: str
     metadata: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class Answer:
-    """An answer, the handles it was read from, and its generation stats."""
-
-    text: str
-    sources: tuple[ModuleHandle, ...]
-    result: GenerationResult

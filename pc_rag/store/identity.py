@@ -8,15 +8,18 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from pc_rag.errors import PCRagError, StoreCorruptedError, StoreError
-from pc_rag.rag.engine import RagEngine
 from pc_rag.rag.modes import resolve_mode
 from pc_rag.store.embeddings import Embedder
 from pc_rag.store.kvstore import STORAGE_DTYPES
 from pc_rag.store.manifest import StoreIdentity, tokenizer_hash
+
+if TYPE_CHECKING:
+    from pc_rag.rag.engine import RagEngine
 
 logger = logging.getLogger(__name__)
 

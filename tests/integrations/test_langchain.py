@@ -24,6 +24,7 @@ from pc_rag.integrations.langchain import (
 from pc_rag.rag import RagEngine, RagPrompt
 from pc_rag.rag.markers import module_ref, split_module_prompt
 from pc_rag.rag.order import DEFAULT_ORDER, ORDERS
+from pc_rag.serving.prompt_server import PromptServer
 from pc_rag.store import as_embedder
 from pc_rag.store.document_store import DocumentStore
 
@@ -62,7 +63,7 @@ def test_chain_splices_the_retrieved_modules_and_answers_like_the_store(
 ) -> None:
     llm = PromptCacheLLM.from_store(store, mode=mode, max_tokens=6)
     answer = rag_chain(store, llm).invoke(QUESTION)
-    direct = store.answer(QUESTION, k=2, mode=mode, max_new_tokens=6)
+    direct = PromptServer(store=store).answer(QUESTION, k=2, mode=mode, max_new_tokens=6)
     assert answer == direct.text
     chunk_tokens = [h.n_tokens for h in direct.sources]
     recomputed = sum(min(n, edge) for n in chunk_tokens)
@@ -75,9 +76,9 @@ def test_chain_prompt_is_served_like_the_store_serves_it(store: DocumentStore) -
     llm = PromptCacheLLM.from_store(store, mode="prefix", max_tokens=5)
     retriever = PromptModuleRetriever(store=store, k=3)
     prompt = module_prompt_template(store).format(context=format_modules(retriever.invoke(QUESTION)), question="Q?")
-    direct = store.stream_prompt(prompt, mode="prefix", max_new_tokens=5)
+    direct = PromptServer(store=store).stream(prompt, mode="prefix", max_new_tokens=5)
     assert llm.invoke(prompt) == "".join(direct)
-    full = store.stream_prompt(prompt, full=True, max_new_tokens=5)
+    full = PromptServer(store=store).stream(prompt, full=True, max_new_tokens=5)
     list(full)
     assert full.result.stats.cached_tokens == 0 < llm.last_stats.cached_tokens
 
@@ -99,7 +100,7 @@ def test_retriever_order_is_the_layout_the_chain_answers_from(store: DocumentSto
     docs = PromptModuleRetriever(store=store, k=3, order=order).invoke(QUESTION)
     assert [d.metadata["chunk_id"] for d in docs] == [h.chunk_id for h in store.search(QUESTION, 3, order)]
     llm = PromptCacheLLM.from_store(store, mode="prefix", max_tokens=4)
-    direct = store.answer(QUESTION, k=3, mode="prefix", order=order, max_new_tokens=4)
+    direct = PromptServer(store=store).answer(QUESTION, k=3, mode="prefix", order=order, max_new_tokens=4)
     assert rag_chain(store, llm, k=3, order=order).invoke(QUESTION) == direct.text
     with pytest.raises(PCRagError, match="unknown chunk order 'random'"):
         PromptModuleRetriever(store=store, order="random")
@@ -140,7 +141,7 @@ def test_async_and_batch_equal_sync(store: DocumentStore) -> None:
     llm = PromptCacheLLM.from_store(store, mode="prefix", max_tokens=5)
     chain = rag_chain(store, llm)
     questions = [QUESTION, "Where does the Danube flow?"]
-    expected = [store.answer(q, k=2, mode="prefix", max_new_tokens=5).text for q in questions]
+    expected = [PromptServer(store=store).answer(q, k=2, mode="prefix", max_new_tokens=5).text for q in questions]
     handler = AsyncTokens()
 
     async def run() -> tuple[list[str], str, list[str]]:
@@ -228,7 +229,7 @@ def test_vectorstore_retriever_drives_a_cached_chain(tmp_path, engine: RagEngine
         | module_prompt_template(vs.store)
         | llm
     )
-    assert chain.invoke(QUESTION) == vs.store.answer(QUESTION, k=2, max_new_tokens=4).text
+    assert chain.invoke(QUESTION) == PromptServer(store=vs.store).answer(QUESTION, k=2, max_new_tokens=4).text
     with pytest.raises(PCRagError, match="search_type='similarity'"):
         vs.as_retriever(search_type="mmr")
 

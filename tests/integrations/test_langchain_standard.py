@@ -15,9 +15,9 @@ from langchain_tests.integration_tests import (
 )
 from langchain_tests.unit_tests import ChatModelUnitTests
 
-from pc_rag.integrations._serving import PromptServer
 from pc_rag.integrations.langchain import ChatPromptCache, PromptCacheVectorStore, PromptModuleRetriever
 from pc_rag.rag import RagEngine, RagPrompt
+from pc_rag.serving.prompt_server import PromptServer
 from pc_rag.serving.scheduler import Scheduler
 from pc_rag.store.document_store import DocumentStore
 

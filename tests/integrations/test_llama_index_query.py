@@ -31,6 +31,7 @@ from pc_rag.integrations.llama_index_query import STATS_KEY
 from pc_rag.rag import RagEngine, RagPrompt
 from pc_rag.rag.order import ORDERS
 from pc_rag.retrievers.llama_index import HANDLE_KEYS, node_handle
+from pc_rag.serving.prompt_server import PromptServer
 from pc_rag.store import as_embedder
 from pc_rag.store.document_store import DocumentStore
 
@@ -78,7 +79,7 @@ def test_retriever_returns_nodes_carrying_their_handles(store: DocumentStore) ->
 def test_query_engine_answers_as_the_store_does(store: DocumentStore, mode: str | None) -> None:
     engine = PromptCacheQueryEngine.from_store(store, 2, mode=mode, max_new_tokens=NEW)
     response = engine.query(QUESTION)
-    native = store.answer(QUESTION, k=2, mode=mode, max_new_tokens=NEW)
+    native = PromptServer(store=store).answer(QUESTION, k=2, mode=mode, max_new_tokens=NEW)
     assert response.response == native.text
     assert [node_handle(store, n) for n in response.source_nodes] == list(native.sources)
     stats = response.metadata[STATS_KEY]
@@ -88,7 +89,7 @@ def test_query_engine_answers_as_the_store_does(store: DocumentStore, mode: str 
     )
     prompt = engine.prompt(QUESTION, response.source_nodes)
     assert prompt.startswith(store.engine.prompt.preamble)
-    assert "".join(store.stream_prompt(prompt, mode, max_new_tokens=NEW)) == response.response
+    assert "".join(PromptServer(store=store).stream(prompt, mode=mode, max_new_tokens=NEW)) == response.response
 
 
 @pytest.mark.parametrize("order", ORDERS)
@@ -102,7 +103,7 @@ def test_retriever_lays_out_nodes_in_its_order(store: DocumentStore, order: str)
 @pytest.mark.parametrize("order", ORDERS)
 def test_query_engine_answers_from_the_retrievers_order(store: DocumentStore, order: str) -> None:
     response = PromptCacheQueryEngine.from_store(store, 3, order=order, max_new_tokens=NEW).query(QUESTION)
-    native = store.answer(QUESTION, k=3, order=order, max_new_tokens=NEW)
+    native = PromptServer(store=store).answer(QUESTION, k=3, order=order, max_new_tokens=NEW)
     assert [node_handle(store, n) for n in response.source_nodes] == list(native.sources)
     assert response.response == native.text
 

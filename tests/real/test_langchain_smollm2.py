@@ -9,6 +9,7 @@ from pc_rag.integrations.langchain import PromptCacheLLM, PromptModuleRetriever,
 from pc_rag.model import LoadedModel
 from pc_rag.rag import RagEngine, RagPrompt
 from pc_rag.sample import sample_questions
+from pc_rag.serving.prompt_server import PromptServer
 from pc_rag.store.document_store import DocumentStore
 
 pytestmark = pytest.mark.real_model
@@ -33,7 +34,7 @@ def test_chain_answers_like_the_store_streamed_or_not(store: DocumentStore) -> N
         | llm
     )
     answer = chain.invoke(question)
-    direct = store.answer(question, k=2, max_new_tokens=8)
+    direct = PromptServer(store=store).answer(question, k=2, max_new_tokens=8)
     assert answer == direct.text and answer.strip()
     assert (
         llm.last_stats.cached_tokens == direct.result.stats.cached_tokens > sum(h.n_tokens for h in direct.sources) // 2

@@ -16,6 +16,7 @@ from pc_rag.integrations.llama_index import PromptCacheQueryEngine
 from pc_rag.integrations.llama_index_query import STATS_KEY
 from pc_rag.model import LoadedModel
 from pc_rag.sample import sample_questions
+from pc_rag.serving.prompt_server import PromptServer
 from pc_rag.store.document_store import DocumentStore
 
 pytestmark = pytest.mark.real_model
@@ -32,7 +33,7 @@ def query_engine(smollm2: LoadedModel, tmp_path_factory) -> PromptCacheQueryEngi
 
 def test_cached_answer_is_the_store_answer_and_finds_the_entity(query_engine: PromptCacheQueryEngine) -> None:
     response = query_engine.query(QUESTION.question)
-    native = query_engine.store.answer(QUESTION.question, k=3, max_new_tokens=16)
+    native = PromptServer(store=query_engine.store).answer(QUESTION.question, k=3, max_new_tokens=16)
     assert response.response == native.text and QUESTION.answers[0] in response.response
     stats = response.metadata[STATS_KEY]
     assert stats["cached_tokens"] > 2 * stats["computed_tokens"]

@@ -17,9 +17,9 @@ from conftest import tiny_model
 from test_document_store import make_store
 
 from pc_rag.engine import PromptCache
-from pc_rag.integrations._serving import PromptServer
 from pc_rag.rag import RagEngine, RagPrompt
 from pc_rag.serving.http import create_app
+from pc_rag.serving.prompt_server import PromptServer
 from pc_rag.serving.scheduler import Scheduler
 
 QUESTION = "Where does the Danube end?"
@@ -98,7 +98,7 @@ def test_completions_serve_module_references_and_concurrent_clients_get_serial_a
 def test_the_rag_route_answers_with_sources_and_timings(served) -> None:
     url, alone = served
     body = httpx.post(f"{url}/rag", json={"question": QUESTION, "k": 2, "max_tokens": 6}, timeout=60).json()
-    expected = alone.store.answer(QUESTION, k=2, max_new_tokens=6)
+    expected = PromptServer(store=alone.store).answer(QUESTION, k=2, max_new_tokens=6)
     assert body["answer"] == expected.text
     assert [s["chunk_id"] for s in body["sources"]] == [h.chunk_id for h in expected.sources]
     assert body["timings"]["ttft_ms"] > 0 and body["usage"]["completion_tokens"] == expected.result.stats.new_tokens

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pc_rag.serving import SharedRun, partition_attention
+from pc_rag.serving.partition_attention import SharedRun, partition_attention
 
 module = importlib.import_module("pc_rag.serving.partition_attention")
 

@@ -1,0 +1,220 @@
+"""Answer from a document store or a Prompt Cache: the one entry point the CLI, the HTTP server and both
+framework adapters call.
+
+A question is answered from the store's retrieved modules (``answer``; ``answer_full`` is the same retrieval
+by full prefill). A prompt string is served by the cheapest correct path: a PML ``<prompt …>`` goes to the
+Prompt Cache engine (its schema's modules are reused) when the caller gave one; text with signed module
+references splices the referenced chunks from the store; any other text is served by full prefill through
+the model's chat template, so the adapters are always correct LLMs. Requests run alone or, with a
+``Scheduler``, batched with everyone else's. The store only stores: answering lives here. This module knows
+nothing about LangChain or LlamaIndex.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import TypeVar
+
+from pc_rag.baseline import full_request
+from pc_rag.engine import PromptCache
+from pc_rag.errors import PCRagError
+from pc_rag.generate import GenerationResult, ReplyStream, SamplingParams
+from pc_rag.model import LoadedModel
+from pc_rag.rag.engine import RagEngine
+from pc_rag.rag.markers import split_module_prompt
+from pc_rag.rag.order import DEFAULT_ORDER
+from pc_rag.rag.prompt import RagPrompt
+from pc_rag.serving.request import Request
+from pc_rag.serving.scheduler import Scheduler
+from pc_rag.store.document_store import DocumentStore
+from pc_rag.store.handles import ModuleHandle
+
+# what a framework user may set; keep_logits is a measurement switch of the eval, not a generation setting
+SAMPLING_FIELDS = frozenset(SamplingParams.__dataclass_fields__) - {"keep_logits"}
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Answer:
+    """An answer, the handles it was read from, and its generation stats."""
+
+    text: str
+    sources: tuple[ModuleHandle, ...]
+    result: GenerationResult
+
+
+@dataclass
+class PromptServer:
+    """Answer questions from ``store``; serve prompt strings from ``store`` (module references), ``prompt_cache``
+    (PML) or full prefill.
+
+    Only a server given a ``prompt_cache`` parses PML: for a store's server, user text that starts with
+    ``<prompt`` is a plain question. Thread-safe as its engines are; with a ``scheduler``, concurrent requests
+    decode together.
+    """
+
+    store: DocumentStore | None = None
+    prompt_cache: PromptCache | None = None
+    mode: str | None = None  # recovery mode for module prompts; None: the store's default
+    scheduler: Scheduler | None = None  # when set, requests are batched through it; else each is served alone
+
+    def __post_init__(self) -> None:
+        if self.store is None and self.prompt_cache is None:
+            msg = "PromptServer needs a DocumentStore, a PromptCache, or both"
+            raise PCRagError(msg)
+        if (
+            self.store is not None
+            and self.prompt_cache is not None
+            and self.store.engine.lm is not self.prompt_cache.lm
+        ):
+            msg = "the DocumentStore and the PromptCache of a PromptServer must share one loaded model"
+            raise PCRagError(msg)
+        if self.scheduler is not None and self.scheduler.lm is not self.lm:
+            msg = "the scheduler of a PromptServer must run the model its store or PromptCache uses"
+            raise PCRagError(msg)
+
+    @property
+    def engine(self) -> RagEngine | None:
+        return self.store.engine if self.store is not None else None
+
+    @property
+    def lm(self) -> LoadedModel:
+        return self.store.engine.lm if self.store is not None else self.prompt_cache.lm  # type: ignore[union-attr]
+
+    @property
+    def model_name(self) -> str:
+        return self.lm.name
+
+    def answer(
+        self, question: str, k: int = 5, mode: str | None = None, *, order: str = DEFAULT_ORDER, **sampling: object
+    ) -> Answer:
+        """Retrieve ``k`` chunks, lay them out in ``order`` and answer from their cached KV with ``mode``'s
+        recovery (default: this server's, else the store's); ``sampling`` are ``SamplingParams`` fields."""
+        return self._answer(lambda: self.rag_request(question, k, mode, order=order, **sampling))
+
+    def answer_full(self, question: str, k: int = 5, *, order: str = DEFAULT_ORDER, **sampling: object) -> Answer:
+        """The same retrieval and layout as ``answer``, answered by full prefill (the baseline)."""
+        return self._answer(lambda: self.rag_request(question, k, order=order, full=True, **sampling))
+
+    def rag_request(
+        self,
+        question: str,
+        k: int = 5,
+        mode: str | None = None,
+        *,
+        order: str = DEFAULT_ORDER,
+        full: bool = False,
+        **sampling: object,
+    ) -> tuple[tuple[ModuleHandle, ...], Request]:
+        """The retrieved handles and ``answer``'s request (``full``: by full prefill of the same tokens)."""
+        store = self._require_store("answering a question")
+        _check_settings(sampling, SamplingParams.__dataclass_fields__)
+        handles = store.search(question, k, order)
+        chunks = store.chunks(handles)
+        if full:
+            ids = store.engine.full_ids(chunks, question)
+            return tuple(handles), full_request(ids, SamplingParams(**sampling))  # type: ignore[arg-type]
+        return tuple(handles), store.engine.request(chunks, question, self._mode(mode), **sampling)
+
+    def stream(self, prompt: str, *, mode: str | None = None, full: bool = False, **sampling: object) -> ReplyStream:
+        """Text deltas of the reply to ``prompt``; ``sampling`` are ``SamplingParams`` fields (see ``request``)."""
+        return self._serve(lambda: self.request(prompt, mode=mode, full=full, **sampling))
+
+    def request(self, prompt: str, *, mode: str | None = None, full: bool = False, **sampling: object) -> Request:
+        """``prompt`` as a serving ``Request``: module references spliced with ``mode``'s recovery (default: this
+        server's, else the store's), PML from the Prompt Cache, plain text by full prefill. ``full=True`` serves
+        the same tokens by full prefill."""
+        _check_settings(sampling)
+        if self.prompt_cache is not None and prompt.lstrip().startswith("<prompt"):
+            if full:
+                ids = self.prompt_cache.full_prompt_ids(prompt)
+                return full_request(ids, SamplingParams(**sampling))  # type: ignore[arg-type]
+            return self.prompt_cache.request(prompt, **sampling)
+        if self.store is not None:
+            before, chunks, after = self.store.prompt_chunks(prompt)
+            return self.store.engine.request_around(
+                before, chunks, after, None if full else self._mode(mode), **sampling
+            )
+        return self._turns_request(self.system, [("user", prompt)], sampling)
+
+    def _mode(self, mode: str | None) -> str:
+        return mode or self.mode or self._require_store("a recovery mode").mode
+
+    def _require_store(self, what: str) -> DocumentStore:
+        if self.store is None:
+            msg = f"{what} needs a document store; this server has only a PromptCache"
+            raise PCRagError(msg)
+        return self.store
+
+    @property
+    def system(self) -> str:
+        """The system turn put before a user-turn prompt (explicit: chat templates insert a default one otherwise)."""
+        return self.engine.prompt.system if self.engine is not None else RagPrompt().system
+
+    def stream_chat(
+        self, turns: Sequence[tuple[str, str]], system: str | None = None, **sampling: object
+    ) -> ReplyStream:
+        """Reply to a conversation of ``(role, content)`` turns (user/assistant) after ``system`` (default: ours).
+
+        A lone user turn under the default system prompt is served like ``stream`` (module references
+        included); any other conversation is rendered with the chat template and served by full prefill.
+        """
+        return self._serve(lambda: self.request_chat(turns, system, **sampling))
+
+    def request_chat(self, turns: Sequence[tuple[str, str]], system: str | None = None, **sampling: object) -> Request:
+        """The conversation as a serving ``Request`` (see ``stream_chat``)."""
+        unknown_roles = sorted({role for role, _ in turns} - {"user", "assistant"})
+        if unknown_roles:
+            msg = f"chat roles {unknown_roles} are not supported; use system, user and assistant turns"
+            raise PCRagError(msg)
+        system = self.system if system is None else system
+        if len(turns) == 1 and turns[0][0] == "user" and system == self.system:
+            return self.request(turns[0][1], **sampling)
+        if any(split_module_prompt(content).refs for _, content in turns):
+            msg = (
+                "module references are served in a single user turn under the default system prompt; "
+                "this conversation has other turns or another system prompt"
+            )
+            raise PCRagError(msg)
+        _check_settings(sampling)
+        return self._turns_request(system, list(turns), sampling)
+
+    def _turns_request(self, system: str, turns: list[tuple[str, str]], sampling: dict[str, object]) -> Request:
+        """Full prefill of the conversation rendered through the model's chat template, then decoding."""
+        backend = self.engine if self.engine is not None else self.prompt_cache
+        assert backend is not None
+        w = backend.wrappers
+        text = w.wrap("system", system) + "".join(w.wrap(role, c) for role, c in turns) + w.generation_prompt  # type: ignore[arg-type]
+        return full_request(backend.tokenize(text), SamplingParams(**sampling))  # type: ignore[arg-type]
+
+    def _answer(self, build: Callable[[], tuple[tuple[ModuleHandle, ...], Request]]) -> Answer:
+        handles, request = self._built(build)
+        reply = self._submit(request)
+        for _ in reply:
+            pass
+        assert reply.result is not None, "the reply ended without a result"
+        return Answer(reply.result.text, handles, reply.result)
+
+    def _serve(self, build: Callable[[], Request]) -> ReplyStream:
+        return self._submit(self._built(build))
+
+    def _built(self, build: Callable[[], T]) -> T:
+        """``build()`` on the scheduler's thread, where all model work runs (``Scheduler.call``), or here."""
+        return self.scheduler.call(build) if self.scheduler is not None else build()
+
+    def _submit(self, request: Request) -> ReplyStream:
+        """Serve ``request``: batched by the scheduler, or alone."""
+        if self.scheduler is not None:
+            return self.scheduler.stream(request)
+        backend = self.engine if self.engine is not None else self.prompt_cache
+        assert backend is not None
+        return backend.serve(request)
+
+
+def _check_settings(sampling: dict[str, object], known: Iterable[str] = SAMPLING_FIELDS) -> None:
+    unknown = set(sampling) - set(known)
+    if unknown:
+        msg = f"unknown generation settings {sorted(unknown)}; known: {sorted(known)}"
+        raise PCRagError(msg)
