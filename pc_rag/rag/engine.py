@@ -18,7 +18,6 @@ from uuid import uuid4
 
 import torch
 
-from pc_rag.assemble import splice
 from pc_rag.baseline import full_request, serve_full
 from pc_rag.calibration import KWARG as SEGMENTS
 from pc_rag.calibration import Calibration, Segments
@@ -40,10 +39,10 @@ from pc_rag.rag.adapter import SpliceAdapter
 from pc_rag.rag.chunk import Chunk
 from pc_rag.rag.modes import RecoveryMode, resolve_mode
 from pc_rag.rag.prompt import RagPrompt
+from pc_rag.rag.query_layout import Piece, QueryLayout, layout_query
 from pc_rag.rag.query_select import query_indices, question_attention
 from pc_rag.rag.select import deviation_indices, edge_indices, kv_deviation
 from pc_rag.rag.tuned import Tuned
-from pc_rag.rope import RopeSpec
 from pc_rag.serving.executor import execute
 from pc_rag.serving.request import Part, Refresh, Request
 from pc_rag.serving.shared_pool import SegmentKey
@@ -83,7 +82,8 @@ class RagEngine:
         self.wrappers = chat_wrappers(lm.tokenizer)
         self.kv_device = torch.device(kv_device) if kv_device is not None else lm.device
         self.kv_dtype = kv_dtype or lm.dtype
-        self.head_ids = tuple(self.tokenize(self.prompt.head(self.wrappers)))
+        self.head_text = self.prompt.head(self.wrappers)
+        self.head_ids = tuple(self.tokenize(self.head_text))
         self.head_kv = encode_spans(lm.model, [(self.head_ids, range(len(self.head_ids)))])[0]
         # the preamble's KV as requests may share it: this engine's encoding, at positions 0...
         self._head_key = SegmentKey(f"rag-preamble/{uuid4().hex}", self.head_ids, tuple(range(len(self.head_ids))))
@@ -125,11 +125,12 @@ class RagEngine:
 
     def full_ids(self, chunks: Sequence[Chunk], question: str) -> list[int]:
         """The plain prompt: head, chunk tokens and question tokens, tokenized piecewise."""
-        return self._full_ids(self._pieces(chunks, question))
+        return self._pieces(chunks, question).layout().full_ids()
 
     def plain_ids(self, texts: Sequence[str], question: str) -> list[int]:
         """``full_ids`` of the chunks of ``texts``, without encoding them."""
-        return [*self.head_ids, *(t for text in texts for t in self.tokenize(text)), *self._tail_ids(question)]
+        chunks = [(text, self.tokenize(text)) for text in texts]
+        return layout_query((self.head_text, self.head_ids), chunks, self._tail(question)).full_ids()
 
     def answer(
         self,
@@ -162,7 +163,7 @@ class RagEngine:
 
         ``reuse_preamble=True`` is prefix caching: the preamble's KV is reused, chunks and question computed.
         """
-        ids = self._full_ids(self._pieces(chunks, question))
+        ids = self._pieces(chunks, question).layout().full_ids()
         return collect(self._serve_full(ids, self.head_kv if reuse_preamble else None, **kwargs))
 
     def stream_around(
@@ -193,7 +194,7 @@ class RagEngine:
         """``stream_around``'s turn as a serving ``Request``."""
         pieces = self._pieces_around(before, chunks, after)
         if mode is None or not chunks:
-            return full_request(self._full_ids(pieces), replace(SamplingParams(), **kwargs))  # type: ignore[arg-type]
+            return full_request(pieces.layout().full_ids(), replace(SamplingParams(), **kwargs))  # type: ignore[arg-type]
         return self._request(pieces, resolve_mode(mode), **kwargs)
 
     def stream_ids(self, ids: Sequence[int], **kwargs: object) -> ReplyStream:
@@ -204,23 +205,25 @@ class RagEngine:
         """Serve a ``Request`` of this engine alone (``serving.execute``); a ``Scheduler`` batches them instead."""
         return ReplyStream(execute(self.lm, self._buffers, request, self._stop_ids))
 
-    def _pieces(self, chunks: Sequence[Chunk], question: str) -> _Pieces:
-        return _Pieces(self.head_ids, self.head_kv, tuple(chunks), tuple(self._tail_ids(question)))
+    def layout(self, chunks: Sequence[Chunk], question: str) -> QueryLayout:
+        """The answer's prompt as a union-free schema prompt, laid out and planned (``rag.query_layout``)."""
+        return self._pieces(chunks, question).layout()
 
-    def _tail_ids(self, question: str) -> list[int]:
-        return self.tokenize(self.prompt.tail(self.wrappers, question))
+    def _pieces(self, chunks: Sequence[Chunk], question: str) -> _Pieces:
+        return _Pieces((self.head_text, self.head_ids), self.head_kv, tuple(chunks), self._tail(question))
+
+    def _tail(self, question: str) -> Piece:
+        text = self.prompt.tail(self.wrappers, question)
+        return text, self.tokenize(text)
 
     def _pieces_around(self, before: str, chunks: Sequence[Chunk], after: str) -> _Pieces:
         if before == self.prompt.preamble:
-            head_ids, head_kv = self.head_ids, self.head_kv
+            head, head_kv = (self.head_text, self.head_ids), self.head_kv
         else:
-            head_ids = tuple(self.tokenize(self.prompt.head(self.wrappers, before)))
-            head_kv = None
-        tail = self.tokenize(after + self.wrappers.close["user"] + self.wrappers.generation_prompt)
-        return _Pieces(head_ids, head_kv, tuple(chunks), tuple(tail))
-
-    def _full_ids(self, pieces: _Pieces) -> list[int]:
-        return [*pieces.head_ids, *(t for c in pieces.chunks for t in c.token_ids), *pieces.tail_ids]
+            text = self.prompt.head(self.wrappers, before)
+            head, head_kv = (text, tuple(self.tokenize(text))), None
+        tail = after + self.wrappers.close["user"] + self.wrappers.generation_prompt
+        return _Pieces(head, head_kv, tuple(chunks), (tail, self.tokenize(tail)))
 
     def _serve_full(
         self, ids: Sequence[int], prefix: SpanKV | None, **kwargs: object
@@ -246,15 +249,16 @@ class RagEngine:
     ) -> Request:
         params = replace(SamplingParams(), **kwargs)  # type: ignore[arg-type]
         watch = Stopwatch()
-        chunks, tail = pieces.chunks, pieces.tail_ids
-        head = len(pieces.head_ids)
+        query = pieces.layout()
+        chunks, plan, head, total = pieces.chunks, query.plan, query.head, query.chunks_end
+        tail = plan.new_ids
         if pieces.head_kv is None:  # a preamble of this request's own: computed now, counted in TTFT
-            head_kv = encode_spans(self.lm.model, [(pieces.head_ids, range(head))])[0]
+            head_kv = encode_spans(self.lm.model, [(pieces.head[1], range(head))])[0]
             head_part = Part(head_kv)
         else:
             head_part = Part(pieces.head_kv, share=self._head_key)
-        slots, total = chunk_slots(head, chunks)
-        moved = [Part(c.kv, start - int(c.kv.positions[0])) for c, (start, _) in zip(chunks, slots, strict=True)]
+        slots = query.slots()
+        moved = [self._chunk_part(c, start) for c, (start, _) in zip(chunks, slots, strict=True)]
         ids = [t for c in chunks for t in c.token_ids]
         calls = _QueryCalls(self.tuned, mode, head, total)
         refresh = None
@@ -265,9 +269,18 @@ class RagEngine:
                 positions=list,  # cache index = position: the chunks follow the head without gaps
             )
         return Request(
-            [head_part, *moved], tail, range(total, total + len(tail)), total + len(tail), params, refresh, calls,
+            [head_part, *moved], tail, plan.new_positions, plan.next_position, params, refresh, calls,
             own_tokens=head if pieces.head_kv is None else 0, reference_ids=reference_ids, watch=watch,
         )  # fmt: skip
+
+    def _chunk_part(self, chunk: Chunk, start: int) -> Part:
+        """``chunk`` re-rotated to ``start``; shared with other requests that place the same chunk there (its KV
+        after the shift depends only on its source and positions) unless recovery recomputes some of it."""
+        shift = start - int(chunk.kv.positions[0])
+        if chunk.source is None:
+            return Part(chunk.kv, shift)
+        key = SegmentKey(f"rag-chunk/{chunk.source}", chunk.token_ids, tuple(range(start, start + chunk.kv.length)))
+        return Part(chunk.kv, shift, share=key)
 
     def _select(
         self,
@@ -296,24 +309,6 @@ class RagEngine:
         if mode.ratio > 0 and ids:
             chosen.update(deviation_indices(self.lm.model, buffer, head, ids, mode.ratio, mode.probe_layer, chosen))
         return sorted(chosen)
-
-
-def chunk_slots(head: int, chunks: Sequence[Chunk]) -> tuple[list[tuple[int, int]], int]:
-    """Each chunk's ``(cache start, length)`` when the chunks are laid out one after another after ``head``
-    tokens, and the cache length after the last one."""
-    slots, cursor = [], head
-    for chunk in chunks:
-        slots.append((cursor, chunk.kv.length))
-        cursor += chunk.kv.length
-    return slots, cursor
-
-
-def splice_chunks(
-    buffer: KVBuffer, rope: RopeSpec, head_kv: SpanKV, chunks: Sequence[Chunk], slots: Sequence[tuple[int, int]]
-) -> None:
-    """Splice the head's KV, then each chunk's with its keys re-rotated to its slot (``chunk_slots``)."""
-    moved = [(c.kv, start - int(c.kv.positions[0])) for c, (start, _) in zip(chunks, slots, strict=True)]
-    splice(buffer, rope, [(head_kv, 0), *moved])
 
 
 class _QueryCalls:
@@ -346,9 +341,12 @@ class _QueryCalls:
 
 @dataclass(frozen=True)
 class _Pieces:
-    """What one answer serves: head tokens (and their KV when cached), chunks, then computed tail tokens."""
+    """What one answer serves: the head (text and ids; its KV when cached), chunks, then the computed tail."""
 
-    head_ids: tuple[int, ...]
+    head: Piece
     head_kv: SpanKV | None
     chunks: tuple[Chunk, ...]
-    tail_ids: tuple[int, ...]
+    tail: Piece
+
+    def layout(self) -> QueryLayout:
+        return layout_query(self.head, [(c.text, c.token_ids) for c in self.chunks], self.tail)

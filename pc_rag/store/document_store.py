@@ -404,13 +404,15 @@ class DocumentStore:
         return reorder([self.handle(cid, score) for cid, score in hits if cid in chunks], order)
 
     def chunks(self, handles: Sequence[ModuleHandle]) -> list[Chunk]:
-        """The engine chunks (token ids and KV) behind ``handles``, in the given order."""
+        """The engine chunks (token ids and KV) behind ``handles``, in the given order, each named by its store,
+        shard and level so that requests may share its KV (``Chunk.source``)."""
         conditioned = resolve_mode(self.mode).conditioned
-        spans = self.kv.get_many([h.chunk_id for h in handles])
+        spans = self.kv.get_many_versioned([h.chunk_id for h in handles])
         out = []
-        for handle, kv in zip(handles, spans, strict=True):
+        for handle, (version, kv) in zip(handles, spans, strict=True):
             text = module_text(handle.text)
-            out.append(Chunk(text, tuple(self.engine.tokenize(text)), kv, conditioned))
+            source = f"store/{self.store_id}/{version}"  # the same KV wherever this store is served
+            out.append(Chunk(text, tuple(self.engine.tokenize(text)), kv, conditioned, source))
         return out
 
     @property

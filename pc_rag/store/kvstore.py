@@ -223,8 +223,15 @@ class KVStore:
     def get_many(self, chunk_ids: Iterable[int]) -> list[SpanKV]:
         """``get`` for each id, in order; chunks that are not in the LRU are read and decoded on as many threads
         as torch uses (decoding releases the GIL)."""
+        return [span for _, span in self.get_many_versioned(chunk_ids)]
+
+    def get_many_versioned(self, chunk_ids: Iterable[int]) -> list[tuple[str, SpanKV]]:
+        """``get_many`` with each span's version: the checksum of the shard it came from, and its level. Two spans
+        of one chunk with one version are the same KV; a re-encoded or rewritten chunk gets another version."""
         chunk_ids = list(chunk_ids)
         found = [self._lookup(cid, None) for cid in chunk_ids]
+        versions = [f"{record.sha256[:16]}/{cid}" + (f"@level{key[1]}" if record.codec else "")
+                    for cid, ((_, record, key), _) in zip(chunk_ids, found, strict=True)]  # fmt: skip
         misses = [i for i, (_, span) in enumerate(found) if span is None]
         workers = min(len(misses), torch.get_num_threads())
 
@@ -239,7 +246,7 @@ class KVStore:
         spans = [span for _, span in found]
         for i, span in zip(misses, loaded, strict=True):
             spans[i] = span
-        return spans
+        return list(zip(versions, spans, strict=True))
 
     def delete(self, chunk_ids: Iterable[int]) -> int:
         """Mark ``chunk_ids`` dead (unknown ids are ignored); return how many were deleted."""

@@ -30,11 +30,12 @@ from tqdm import tqdm
 from transformers import PreTrainedModel
 from transformers.cache_utils import DynamicCache
 
+from pc_rag.assemble import splice
 from pc_rag.calibration import KWARG as SEGMENTS
 from pc_rag.calibration import Calibration, Segments
 from pc_rag.kv import KVBuffer, allocate
 from pc_rag.rag.adapter import AdapterConfig, SpliceAdapter
-from pc_rag.rag.engine import Chunk, RagEngine, chunk_slots, splice_chunks
+from pc_rag.rag.engine import Chunk, RagEngine
 from pc_rag.rag.modes import MODES
 from pc_rag.rag.select import deviation_indices
 from pc_rag.recompute import recompute_and_prefill
@@ -106,16 +107,16 @@ def student_logprobs(
     ``recompute`` that share of chunk tokens is first refreshed as ``selective`` serving does.
     """
     model = engine.lm.model
-    head = len(engine.head_ids)
-    slots, cursor = chunk_slots(head, chunks)
+    query = engine.layout(chunks, question)  # the slots and positions serving gives these chunks
+    head, cursor = query.head, query.chunks_end
     buffer = allocate(model, cursor)
-    splice_chunks(buffer, engine.lm.rope, engine.head_kv, chunks, slots)
+    moved = [(c.kv, start - int(c.kv.positions[0])) for c, (start, _) in zip(chunks, query.slots(), strict=True)]
+    splice(buffer, engine.lm.rope, [(engine.head_kv, 0), *moved])
     if recompute > 0:
         _refresh(model, buffer, head, [t for c in chunks for t in c.token_ids], recompute)
     layers = range(buffer.keys.shape[0])
     cache = DynamicCache(ddp_cache_data=[(buffer.keys[i], buffer.values[i]) for i in layers], config=model.config)
-    tail = engine.tokenize(engine.prompt.tail(engine.wrappers, question))
-    inputs = [*tail, *record.answer_ids[: record.steps - 1]]
+    inputs = [*query.plan.new_ids, *record.answer_ids[: record.steps - 1]]
     device = engine.lm.device
     extra = {} if calibration is None else {SEGMENTS: Segments(head, cursor, calibration)}
     with adapter.applied() if adapter is not None else nullcontext():
