@@ -31,7 +31,7 @@ from pc_rag.generate import collect
 from pc_rag.kv import kv_shape
 from pc_rag.pml.nodes import Import, Module, Prompt, Role, Schema, Text
 from pc_rag.sample import sample_questions
-from pc_rag.serving.partition_attention import SharedRun, partition_attention
+from pc_rag.serving.partition_attention import SharedRun, partition_attention, private_mask
 from pc_rag.serving.scheduler import Scheduler
 
 SYSTEM = "You are a concise assistant. Answer the question from the passages."
@@ -148,14 +148,14 @@ def attention_benchmark(
     shared = torch.randn(2, kv_heads, shared_tokens, dim, generator=g).to(dtype)
     private = torch.randn(2, concurrency, kv_heads, private_tokens, dim, generator=g).to(dtype)
     query = torch.randn(concurrency, heads, dim, generator=g).to(dtype)
-    lengths = torch.full((concurrency,), private_tokens)
+    mask = private_mask(torch.full((concurrency,), private_tokens), private_tokens, dtype)  # built once per step
     scale = dim**-0.5
     run = SharedRun(shared[0], shared[1], torch.arange(concurrency))
     duplicated_k = torch.cat([shared[0].expand(concurrency, -1, -1, -1), private[0]], dim=2)
     duplicated_v = torch.cat([shared[1].expand(concurrency, -1, -1, -1), private[1]], dim=2)
 
     def two_phase() -> None:
-        partition_attention(query, [run], private[0], private[1], lengths, scale)
+        partition_attention(query, [run], private[0], private[1], mask, scale)
 
     def sdpa() -> None:
         F.scaled_dot_product_attention(query[:, :, None], duplicated_k, duplicated_v, scale=scale, enable_gqa=True)
@@ -175,10 +175,10 @@ def attention_benchmark(
     def today() -> None:
         decode_attention(q1, own_k, own_v, alone_k[:, :, :-1], alone_v[:, :, :-1], scale)
 
-    one_length = torch.tensor([alone_k.shape[2]])
+    one_mask = private_mask(torch.tensor([alone_k.shape[2]]), alone_k.shape[2], dtype)
 
     def unshared() -> None:
-        partition_attention(query[:1], [], alone_k, alone_v, one_length, scale)
+        partition_attention(query[:1], [], alone_k, alone_v, one_mask, scale)
 
     with torch.inference_mode():
         two_phase_us, sdpa_us, each_us, unshared_us, today_us = _interleaved_medians_us(

@@ -19,7 +19,7 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from pc_rag.decode_step import FusedLayer, built_once, rms_norm
 from pc_rag.serving.arena import CAPACITY_STEP, PrivateArena
-from pc_rag.serving.partition_attention import SharedRun, padded_rows, partition_attention
+from pc_rag.serving.partition_attention import SharedRun, padded_rows, partition_attention, private_mask
 from pc_rag.serving.shared_pool import Segment, SharedKVPool
 from pc_rag.weights import KERNEL_ROWS
 
@@ -65,10 +65,11 @@ class BatchDecodeStep:
         # the private keys to read: the longest row's, rounded up (any multiple of CAPACITY_STEP gives the same bits)
         private = min(arena.capacity, -(-(int(lengths.max()) + 1) // CAPACITY_STEP) * CAPACITY_STEP)
         groups = _runs(reads) if pool is not None else []
+        mask = private_mask(lengths + 1, private, x.dtype)  # after this step's token, the same in every layer
         for layer_index, layer in enumerate(self._layers):
-            runs = [SharedRun(*pool.span(a, b, layer_index), readers, mask) for a, b, readers, mask in groups]
+            runs = [SharedRun(*pool.span(a, b, layer_index), readers, m) for a, b, readers, m in groups]
             keys, values = arena.keys[layer_index], arena.values[layer_index]
-            x = layer(x, rotary, keys, values, rows, lengths, runs, private)
+            x = layer(x, rotary, keys, values, rows, lengths, runs, mask)
         arena.lengths[:batch] += 1
         return self._model.lm_head(rms_norm(decoder.norm, x))[:batch, -1]
 
@@ -104,11 +105,12 @@ class _BatchLayer(FusedLayer):
 
     def __call__(
         self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], keys: torch.Tensor, values: torch.Tensor,
-        rows: torch.Tensor, lengths: torch.Tensor, runs: list[SharedRun], private: int,
+        rows: torch.Tensor, lengths: torch.Tensor, runs: list[SharedRun], private: torch.Tensor,
     ) -> torch.Tensor:  # fmt: skip
         """``x`` [padded, 1, hidden] -> [padded, 1, hidden] (rows past B pad the matmuls: see
         ``partition_attention.ROW_MULTIPLE``); writes each live row's new key and value into ``keys``/``values``
-        [rows, H_kv, capacity, D] at ``lengths[b]``, and attends to the first ``private`` entries of each row."""
+        [rows, H_kv, capacity, D] at ``lengths[b]``, and attends to the entries of each row ``private`` (its additive
+        mask [B, P], ``private_mask``) lets it see."""
         layer = self.layer
         attn, mlp = layer.self_attn, layer.mlp
         padded, batch = x.shape[0], rows.shape[0]
@@ -124,9 +126,11 @@ class _BatchLayer(FusedLayer):
         q, k = apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), *rotary)  # [padded, H(_kv), 1, D]
         keys[rows, :, lengths] = k[:batch, :, 0]
         values[rows, :, lengths] = v[:batch].view(batch, -1, attn.head_dim)
-        own_keys, own_values = keys[:batch, :, :private], values[:batch, :, :private]
-        out = partition_attention(q[:batch, :, 0], runs, own_keys, own_values, lengths + 1, attn.scaling)
-        out = torch.cat([out, out[:1].expand(padded - batch, -1, -1)])  # [padded, H, D]
+        capacity = private.shape[1]
+        own_keys, own_values = keys[:batch, :, :capacity], values[:batch, :, :capacity]
+        out = partition_attention(q[:batch, :, 0], runs, own_keys, own_values, private, attn.scaling)
+        if padded > batch:
+            out = torch.cat([out, out[:1].expand(padded - batch, -1, -1)])  # [padded, H, D]
         x = x + attn.o_proj(out.reshape(padded, 1, -1))
         h = rms_norm(layer.post_attention_layernorm, x)
         if fused and self.gate_up is not None:

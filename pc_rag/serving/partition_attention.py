@@ -41,8 +41,15 @@ class SharedRun:
 
     keys: torch.Tensor  # [H_kv, S, D]
     values: torch.Tensor  # [H_kv, S, D]
-    readers: torch.Tensor  # [n] long, distinct batch rows
+    readers: torch.Tensor  # [n] long, distinct batch rows in increasing order
     mask: torch.Tensor | None = None  # [S], 0 or -inf
+
+
+def private_mask(lengths: torch.Tensor, capacity: int, dtype: torch.dtype) -> torch.Tensor:
+    """The additive mask [B, capacity] of private keys: row b sees its first ``lengths[b]`` (built once per decode
+    step, for every layer)."""
+    padding = torch.arange(capacity, device=lengths.device) >= lengths[:, None]
+    return torch.zeros(padding.shape, dtype=dtype, device=lengths.device).masked_fill_(padding, float("-inf"))
 
 
 def partition_attention(
@@ -50,7 +57,7 @@ def partition_attention(
     runs: Sequence[SharedRun],
     private_keys: torch.Tensor,  # [B, H_kv, P, D]
     private_values: torch.Tensor,  # [B, H_kv, P, D]
-    private_lengths: torch.Tensor,  # [B] long, each >= 1: row b's private keys are [:, :length]
+    private: torch.Tensor,  # [B, P] additive (``private_mask``): each row sees at least one private key
     scale: float,
 ) -> torch.Tensor:  # [B, H, D]
     """Each row's attention over its shared runs and its private keys; see the module docstring."""
@@ -58,28 +65,47 @@ def partition_attention(
     kv_heads = private_keys.shape[1]
     n_rep = heads // kv_heads
     grouped = query.view(batch, kv_heads, n_rep, dim)
-    padding = torch.arange(private_keys.shape[2], device=query.device) >= private_lengths[:, None]  # [B, P]
-    mask = torch.zeros(padding.shape, dtype=query.dtype, device=query.device).masked_fill_(padding, float("-inf"))
-    out, lse = attend_with_lse(grouped, private_keys, private_values, mask[:, None, None, :], scale)
+    out, lse = attend_with_lse(grouped, private_keys, private_values, private[:, None, None, :], scale)
     if not runs:
         return out.reshape(batch, heads, dim)
     outs, lses, rows = [out.float()], [lse.float()], [torch.arange(batch, device=query.device)]
     for run in runs:
         n = run.readers.shape[0]
-        q = grouped[run.readers].transpose(0, 1).reshape(1, kv_heads, n * n_rep, dim)
+        every_row = n == batch  # distinct rows in increasing order: all of them, in order
+        q = (grouped if every_row else grouped[run.readers]).transpose(0, 1).reshape(1, kv_heads, n * n_rep, dim)
         pad = padded_rows(n * n_rep) - n * n_rep  # repeated queries, dropped after
+        if pad:
+            q = torch.cat([q, q[:, :, :1].expand(-1, -1, pad, -1)], 2)
         mask = run.mask[None, None, None, :] if run.mask is not None else None
-        o, lse_run = attend_with_lse(torch.cat([q, q[:, :, :1].expand(-1, -1, pad, -1)], 2), run.keys[None],
-                                     run.values[None], mask, scale)  # fmt: skip
+        o, lse_run = attend_with_lse(q, run.keys[None], run.values[None], mask, scale)
         outs.append(o[:, :, : n * n_rep].reshape(kv_heads, n, n_rep, dim).transpose(0, 1).float())
         lses.append(lse_run[:, :, : n * n_rep].reshape(kv_heads, n, n_rep).transpose(0, 1).float())
         rows.append(run.readers)
-    return _merge(torch.cat(outs), torch.cat(lses), torch.cat(rows), batch).reshape(batch, heads, dim).to(query.dtype)
+    if all(r.shape[0] == batch for r in rows):
+        merged = _merge_every_row(outs, lses)
+    else:
+        merged = _merge(torch.cat(outs), torch.cat(lses), torch.cat(rows), batch)
+    return merged.reshape(batch, heads, dim).to(query.dtype)
+
+
+def _merge_every_row(outs: Sequence[torch.Tensor], lses: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``_merge`` when every part covers every row in order: the same arithmetic in the same order (so the same
+    bits), without gathering and scattering rows."""
+    top = lses[0]
+    for lse in lses[1:]:
+        top = torch.maximum(top, lse)
+    weights = [torch.exp(lse - top) for lse in lses]
+    total, merged = weights[0], outs[0] * weights[0][..., None]
+    for out, weight in zip(outs[1:], weights[1:], strict=True):
+        total = total + weight
+        merged = merged + out * weight[..., None]
+    return merged / total[..., None]
 
 
 def _merge(out: torch.Tensor, lse: torch.Tensor, rows: torch.Tensor, batch: int) -> torch.Tensor:
     """Partial outputs ``out`` [T, H_kv, n_rep, D] with their ``lse`` [T, H_kv, n_rep], part t of row ``rows[t]``,
-    merged into [B, H_kv, n_rep, D]: each part weighted by its share of its row's softmax mass."""
+    merged into [B, H_kv, n_rep, D]: each part weighted by its share of its row's softmax mass (added in part
+    order)."""
     index = rows.view(-1, *(1,) * (lse.dim() - 1)).expand_as(lse)
     top = torch.full((batch, *lse.shape[1:]), float("-inf"), device=lse.device).scatter_reduce_(0, index, lse, "amax")
     weight = torch.exp(lse - top[rows])

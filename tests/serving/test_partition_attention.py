@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pc_rag.serving.partition_attention import SharedRun, partition_attention
+from pc_rag.serving.partition_attention import SharedRun, partition_attention, private_mask
 
 module = importlib.import_module("pc_rag.serving.partition_attention")
 
@@ -42,7 +42,8 @@ def _case(seed: int, batch: int, sharing: list[list[bool]], heads=6, kv_heads=2,
     lengths = torch.randint(1, 12, (batch,), generator=g)
     private = torch.randn(2, batch, kv_heads, 12, dim, generator=g)
     moved = [SharedRun(r.keys.to(device), r.values.to(device), r.readers.to(device)) for r in runs]
-    args = (query.to(device), moved, private[0].to(device), private[1].to(device), lengths.to(device), dim**-0.5)
+    mask = private_mask(lengths.to(device), 12, torch.float32)
+    args = (query.to(device), moved, private[0].to(device), private[1].to(device), mask, dim**-0.5)
     return args, (query, runs, private[0], private[1], lengths, dim**-0.5)
 
 
@@ -57,6 +58,14 @@ def test_equals_sdpa_over_duplicated_kv_for_any_sharing(seed, batch, sharing):
     torch.testing.assert_close(partition_attention(*args), _reference(*reference), rtol=1e-5, atol=1e-5)
 
 
+def test_runs_every_row_reads_merge_to_the_same_bits_as_rows_gathered_and_scattered(monkeypatch):
+    args, _ = _case(5, 4, [[True] * 6, [True] * 6])
+    fast = partition_attention(*args)
+    monkeypatch.setattr(module, "_merge_every_row", lambda outs, lses: module._merge(
+        torch.cat(outs), torch.cat(lses), torch.arange(4).repeat(len(outs)), 4))  # fmt: skip
+    assert torch.equal(partition_attention(*args), fast)
+
+
 def test_without_the_fused_kernel_the_matmul_path_agrees(monkeypatch):
     args, reference = _case(3, 5, [[True] * 6, [True, False, True, False, True, False], [False, True] * 3])
     fused = partition_attention(*args)
@@ -68,9 +77,9 @@ def test_without_the_fused_kernel_the_matmul_path_agrees(monkeypatch):
 def test_one_query_head_per_kv_head_and_bfloat16():
     args, reference = _case(7, 4, [[True] * 6], heads=2, kv_heads=2)
     torch.testing.assert_close(partition_attention(*args), _reference(*reference), rtol=1e-5, atol=1e-5)
-    query, runs, keys, values, lengths, scale = args
+    query, runs, keys, values, mask, scale = args
     low = [SharedRun(r.keys.bfloat16(), r.values.bfloat16(), r.readers) for r in runs]
-    out = partition_attention(query.bfloat16(), low, keys.bfloat16(), values.bfloat16(), lengths, scale)
+    out = partition_attention(query.bfloat16(), low, keys.bfloat16(), values.bfloat16(), mask.bfloat16(), scale)
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out.float(), _reference(*reference), rtol=0.05, atol=0.05)
 
