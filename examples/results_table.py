@@ -7,7 +7,9 @@ Given `pc-rag bench peers --json` files instead, prints TTFT, speedup and decode
 --json` files, bytes per token per codec and dtype; given `pc-rag bench codec --json` files, CacheGen size
 and speed per level; given `pc-rag bench link --json` files, cold TTFT per storage and link speed; given
 `examples/codec_allocation.py --json` files, KL against size per step allocation); given
-`examples/oracle_sweep.py --json` files, first-token and 8-token KL per selection and recompute budget.
+`examples/oracle_sweep.py --json` files, first-token and 8-token KL per selection and recompute budget; given
+`pc-rag bench serve --json` files, throughput, identity and KV held per run, their median, and the attention step;
+given `examples/load_test.py --json` files, requests, failures and latency per run).
 Otherwise prints a Markdown table with one row per (dataset, mode) of the chosen datasets: F1 and its change
 against full prefill with the paired bootstrap interval, answer identity, first-token agreement and KL,
 the teacher-forced KL and agreement over 8 tokens, TTFT median and the speedup over full prefill.
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -215,6 +218,44 @@ def oracle_table(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
+def serve_table(runs: list[Row]) -> str:
+    """Markdown: one row per `pc-rag bench serve` run and the median of the runs; then the attention step."""
+    head = ["run", "together tokens/s", "one at a time tokens/s", "speedup", "identical to alone",
+            "shared KV MiB", "duplicated MiB", "KV saved"]  # fmt: skip
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+
+    def cells(name: str, r: Row) -> list[str]:
+        saved = 1 - r["shared_kv_bytes"] / r["duplicated_kv_bytes"]
+        return [name, f"{r['tokens_per_s']:.1f}", f"{r['single_tokens_per_s']:.1f}", f"{r['speedup']:.2f}x",
+                str(r["identical"]).lower(), f"{r['shared_kv_bytes'] / 2**20:.1f}",
+                f"{r['duplicated_kv_bytes'] / 2**20:.1f}", f"{saved:.0%}"]  # fmt: skip
+
+    for i, r in enumerate(runs, 1):
+        lines.append("| " + " | ".join(cells(str(i), r)) + " |")
+    if len(runs) > 1:
+        keys = ["tokens_per_s", "single_tokens_per_s", "speedup", "shared_kv_bytes", "duplicated_kv_bytes"]
+        median = {k: statistics.median(r[k] for r in runs) for k in keys}
+        median["identical"] = all(r["identical"] for r in runs)
+        lines.append("| " + " | ".join(cells("median", median)) + " |")
+    lines += ["", "| run | case | queries | keys | two-phase us | baseline | baseline us | speedup |", "|" + "---|" * 8]
+    for i, r in enumerate(runs, 1):
+        for a in r["attention"]:
+            lines.append(f"| {i} | {a['case']} | {a['queries']} | {a['keys']:,} | {a['partition_us']:,.0f} | "
+                         f"{a['baseline']} | {a['baseline_us']:,.0f} | {a['speedup']:.2f}x |")  # fmt: skip
+    return "\n".join(lines)
+
+
+def load_table(runs: list[Row]) -> str:
+    """Markdown: one row per `examples/load_test.py` run against `pc-rag serve`."""
+    head = ["requests", "clients", "failed", "identical to serial", "p50 ms", "p99 ms", "tokens/s", "requests/s"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in runs:
+        lines.append(f"| {r['requests']} | {r['clients']} | {r['failed']} | {str(r['identical']).lower()} | "
+                     f"{r['p50_ms']:,.0f} | {r['p99_ms']:,.0f} | {r['tokens_per_s']:.1f} | "
+                     f"{r['requests_per_s']:.2f} |")  # fmt: skip
+    return "\n".join(lines)
+
+
 BENCH_TABLES: dict[str, Callable[[list[Row]], str]] = {  # else: bench peers
     "path": encode_table,
     "disk_bytes_per_token": memory_table,
@@ -234,6 +275,12 @@ def main() -> None:
         rows = [row for d in loaded for row in d]
         render = next((r for key, r in BENCH_TABLES.items() if all(key in d[0] for d in loaded)), peers_table)
         print(render(rows))
+        return
+    if all(isinstance(d, dict) and "concurrency" in d for d in loaded):  # bench serve runs
+        print(serve_table(loaded))
+        return
+    if all(isinstance(d, dict) and "clients" in d for d in loaded):  # load test runs
+        print(load_table(loaded))
         return
     if all(isinstance(d, dict) and d.get("rows") for d in loaded):  # script rows: codec_allocation or oracle sweep
         rows = [row for d in loaded for row in d["rows"]]
