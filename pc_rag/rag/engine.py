@@ -125,7 +125,7 @@ class RagEngine:
 
     def full_ids(self, chunks: Sequence[Chunk], question: str) -> list[int]:
         """The plain prompt: head, chunk tokens and question tokens, tokenized piecewise."""
-        return self._pieces(chunks, question).layout().full_ids()
+        return self.layout(chunks, question).full_ids()
 
     def plain_ids(self, texts: Sequence[str], question: str) -> list[int]:
         """``full_ids`` of the chunks of ``texts``, without encoding them."""
@@ -163,7 +163,7 @@ class RagEngine:
 
         ``reuse_preamble=True`` is prefix caching: the preamble's KV is reused, chunks and question computed.
         """
-        ids = self._pieces(chunks, question).layout().full_ids()
+        ids = self.layout(chunks, question).full_ids()
         return collect(self._serve_full(ids, self.head_kv if reuse_preamble else None, **kwargs))
 
     def stream_around(
