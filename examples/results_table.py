@@ -53,7 +53,7 @@ COLUMNS: dict[str, tuple[str, Callable[[Row], str]]] = {
     "tfkl": ("8-token KL", _number("teacher_forced_kl", 3)),
     "tfagr": ("8-token agreement", _share("teacher_forced_agreement")),
     "ttft": ("TTFT p50", lambda r: f"{r['ttft_ms_median']:,.0f} ms"),
-    "speedup": ("speedup", lambda r: f"{r['speedup']:.1f}x"),
+    "speedup": ("speedup", lambda r: "" if r.get("speedup") is None else f"{r['speedup']:.1f}x"),
     "recall": ("recall@k", _number("retrieval_recall", 3)),
     "codec_kl": ("KL(uncompressed‖compressed)", _number("codec_kl", 4)),
     "codec_agr": ("first token = uncompressed", _share("codec_agreement")),
@@ -73,8 +73,9 @@ def table(rows: list[Row], datasets: list[str] | None, columns: list[str]) -> st
     """Markdown rows for ``datasets`` (all when None); ``speedup`` is full prefill's TTFT median over the mode's."""
     full = {(r["setting"], r["dataset"]): r["ttft_ms_median"] for r in rows if r["mode"] == "full"}
     chosen = [r for r in rows if datasets is None or r["dataset"] in datasets]
-    for r in chosen:
-        r["speedup"] = full[(r["setting"], r["dataset"])] / r["ttft_ms_median"]
+    for r in chosen:  # runs that list no full row (``--modes default``) still hold deltas against it
+        base = full.get((r["setting"], r["dataset"]))
+        r["speedup"] = base / r["ttft_ms_median"] if base is not None else None
     lead = ["setting"] if len({r["setting"] for r in chosen}) > 1 else []
     head = [*lead, "dataset", "mode", *(COLUMNS[c][0] for c in columns)]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]

@@ -54,6 +54,7 @@ CASES = [
     (["index", "{tmp}/ok.txt", "--store", "{tmp}/s", "--codec", "zip"], "--codec takes raw, cachegen"),
     (["store", "recode", "--store", "{tmp}/s"], "`store recode` needs it"),
     (["store", "compact", "--store", "{tmp}/s", "--codec", "cachegen"], "--codec goes with `store recode`"),
+    (["store", "verify", "--store", "{tmp}/s", "--json", "{tmp}/r.json"], "--json goes with `store recode`"),
     (["store", "recode", "--store", "{tmp}/s", "--codec", "cachegen:x"], "--codec takes raw, cachegen"),
 ]
 

@@ -8,10 +8,10 @@ at once. Generated tokens per second of wall time are compared, answers are chec
 request submitted alone to the scheduler (and against one at a time), and the KV held for the shared part is read
 when the most requests were live. ``run_serve_bench`` runs both benchmarks on one scheduler's worker thread.
 
-``attention_benchmark`` times one layer's attention for a decode step: the two-phase partition attention of
-``concurrency`` queries sharing ``shared_tokens`` keys against SDPA over the same keys duplicated per query; and,
-with no sharing, partition attention of one query against today's single-sequence decode attention. This module
-knows nothing about HTTP.
+``attention_benchmark`` times one layer's attention for a decode step, from cold caches as in a real step: the
+two-phase partition attention of ``concurrency`` queries sharing ``shared_tokens`` keys against SDPA over the same
+keys duplicated per query; and, with no sharing, partition attention of one query against today's
+single-sequence decode attention. This module knows nothing about HTTP.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from pc_rag.serving.partition_attention import SharedRun, partition_attention, p
 from pc_rag.serving.scheduler import Scheduler
 
 SYSTEM = "You are a concise assistant. Answer the question from the passages."
+EVICT_BYTES = 128 << 20  # written before each timed attention call: several times a server CPU's last-level cache
 
 
 @dataclass
@@ -194,10 +195,17 @@ def attention_benchmark(
 
 def _interleaved_medians_us(contenders: list[Callable[[], None]], rounds: int) -> list[float]:
     """Median microseconds of each contender, timed in turn within every round (after one warm-up round), so the
-    machine's drift falls on all of them alike."""
+    machine's drift falls on all of them alike.
+
+    Every call starts with cold caches (``EVICT_BYTES`` are written first), as in a decode step, where all the
+    other layers' weights and KV pass through the caches between two reads of one layer's KV. Without it, a
+    contender whose tensors another contender just read (SDPA's duplicated KV and the per-request decode share
+    them) runs warm and the others cold."""
+    evict = torch.zeros(EVICT_BYTES // 4)
     times: list[list[float]] = [[] for _ in contenders]
     for round_ in range(rounds + 1):
         for run, spent in zip(contenders, times, strict=True):
+            evict.add_(1.0)
             began = time.perf_counter()
             run()
             if round_:

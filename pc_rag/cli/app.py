@@ -68,6 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     store.add_argument("action", choices=["verify", "repair", "compact", "recode"])
     store.add_argument("--store", type=Path, required=True, help="store directory")
     store.add_argument("--codec", default=None, metavar="raw|cachegen[:LEVEL,...]", help="recode: the new KV encoding")
+    store.add_argument("--json", type=Path, default=None, help="recode: write sizes and seconds as JSON here")
     bench = commands.add_parser("bench", help="benchmarks")
     bench_kinds = bench.add_subparsers(dest="kind", required=True)
     ttft = bench_kinds.add_parser("ttft", help="TTFT of cached vs full prefill by context length")
@@ -135,6 +136,8 @@ def _run(args: argparse.Namespace) -> int:
     elif args.command in ("ask", "store", "serve"):
         if args.command == "store" and (args.action == "recode") != (args.codec is not None):
             raise PCRagError("--codec goes with `store recode`, and `store recode` needs it")
+        if args.command == "store" and args.action != "recode" and args.json is not None:
+            raise PCRagError("--json goes with `store recode`")
         if args.command == "store" and args.codec is not None:
             from pc_rag.store.codec_setup import parse_codec
 
@@ -160,7 +163,7 @@ def _run(args: argparse.Namespace) -> int:
         store_commands.ask(lm, args.store, args.question, k=args.k, mode=args.mode, compare_full=args.full,
                      max_new_tokens=args.max_new_tokens)  # fmt: skip
     elif args.command == "store":
-        store_commands.store_maintenance(lm, args.action, args.store, args.codec)
+        store_commands.store_maintenance(lm, args.action, args.store, args.codec, args.json)
     elif args.command == "serve":
         store_commands.serve(lm, args.store, host=args.host, port=args.port, mode=args.mode, max_batch=args.max_batch,
                        queue_limit=args.queue_limit)  # fmt: skip

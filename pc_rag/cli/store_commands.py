@@ -6,6 +6,7 @@ person, and leave every decision about serving to the store and the engine.
 
 from __future__ import annotations
 
+import json
 import sys
 import tempfile
 import time
@@ -104,18 +105,28 @@ def _note_ignored_options(store: DocumentStore, options: dict[str, object]) -> N
                   "(these options only apply when a store is created)", file=sys.stderr)  # fmt: skip
 
 
-def store_maintenance(lm: LoadedModel, action: str, store_dir: Path, codec: str | None = None) -> None:
+def store_maintenance(
+    lm: LoadedModel, action: str, store_dir: Path, codec: str | None = None, json_out: Path | None = None
+) -> None:
     """``verify`` (read-only: every checksum and cross-reference), ``repair``, ``compact`` or ``recode`` (as
-    ``codec``) the store."""
+    ``codec``; ``json_out`` records sizes, tokens and seconds) the store."""
     with DocumentStore.load(store_dir, engine_for(lm)) as store:
         if action == "verify":
             print(store.verify())
         elif action == "repair":
             print(f"repaired {store_dir}: {store.repair()}")
         elif action == "recode":
-            before = bytes_on_disk(store_dir)
+            before, began = bytes_on_disk(store_dir), time.perf_counter()
             after = store.recode(codec or "raw")
-            print(f"re-encoded {store_dir} as {codec}: {before / 2**20:.1f} -> {after / 2**20:.1f} MiB on disk")
+            seconds = time.perf_counter() - began
+            tokens = sum(c.n_tokens for c in store.manifest.chunks.values())
+            print(f"re-encoded {store_dir} as {codec}: {before / 2**20:.1f} -> {after / 2**20:.1f} MiB on disk "
+                  f"({after / max(tokens, 1):,.0f} B/token, {tokens:,} tokens, {seconds:.0f} s)")  # fmt: skip
+            if json_out is not None:
+                record = {"codec": codec or "raw", "chunks": len(store), "tokens": tokens, "bytes_before": before,
+                          "bytes_after": after, "bytes_per_token": after / max(tokens, 1), "seconds": seconds,
+                          "tokens_per_s": tokens / seconds}  # fmt: skip
+                json_out.write_text(json.dumps(record, indent=2) + "\n")
         else:
             print(f"compacted {store_dir}: freed {store.compact() / 2**20:.1f} MiB")
 

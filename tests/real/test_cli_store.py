@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from pc_rag.cli import main
@@ -28,6 +30,18 @@ def test_index_then_ask(corpus, capsys) -> None:
     )
     out = capsys.readouterr().out
     assert "sources:" in out and "eiffel.txt" in out and "ms cached" in out and "ms full prefill" in out
+
+
+def test_recode_reports_what_it_did_as_json(corpus, capsys) -> None:
+    store = corpus / "store"
+    assert main(["index", str(corpus / "docs"), "--store", str(store)]) == 0
+    out = corpus / "recode.json"
+    assert main(["store", "recode", "--store", str(store), "--codec", "cachegen:2", "--json", str(out)]) == 0
+    record = json.loads(out.read_text())
+    assert record["codec"] == "cachegen:2" and record["chunks"] == 2 and record["tokens"] > 10
+    # a tiny store grows: the model's codec tables (tens of MB) are copied into it
+    assert record["bytes_per_token"] == record["bytes_after"] / record["tokens"] and record["seconds"] > 0
+    assert "B/token" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize(
