@@ -9,7 +9,8 @@ and speed per level; given `pc-rag bench link --json` files, cold TTFT per stora
 `examples/codec_allocation.py --json` files, KL against size per step allocation); given
 `examples/oracle_sweep.py --json` files, first-token and 8-token KL per selection and recompute budget; given
 `pc-rag bench serve --json` files, throughput, identity and KV held per run, their median, and the attention step;
-given `examples/load_test.py --json` files, requests, failures and latency per run).
+given `examples/load_test.py --json` files, requests, failures and latency per run; given `pc-rag store recode
+--json` files, the store's size before and after, bytes per token and encode speed).
 Otherwise prints a Markdown table with one row per (dataset, mode) of the chosen datasets: F1 and its change
 against full prefill with the paired bootstrap interval, answer identity, first-token agreement and KL,
 the teacher-forced KL and agreement over 8 tokens, TTFT median and the speedup over full prefill.
@@ -257,6 +258,17 @@ def load_table(runs: list[Row]) -> str:
     return "\n".join(lines)
 
 
+def recode_table(runs: list[Row]) -> str:
+    """Markdown: one row per `pc-rag store recode --json` run."""
+    head = ["codec", "chunks", "tokens", "MiB before", "MiB after", "B/token after", "seconds", "tokens/s"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in runs:
+        lines.append(f"| {r['codec']} | {r['chunks']:,} | {r['tokens']:,} | {r['bytes_before'] / 2**20:,.0f} | "
+                     f"{r['bytes_after'] / 2**20:,.0f} | {r['bytes_per_token']:,.0f} | {r['seconds']:,.0f} | "
+                     f"{r['tokens_per_s']:,.0f} |")  # fmt: skip
+    return "\n".join(lines)
+
+
 BENCH_TABLES: dict[str, Callable[[list[Row]], str]] = {  # else: bench peers
     "path": encode_table,
     "disk_bytes_per_token": memory_table,
@@ -279,6 +291,9 @@ def main() -> None:
         return
     if all(isinstance(d, dict) and "concurrency" in d for d in loaded):  # bench serve runs
         print(serve_table(loaded))
+        return
+    if all(isinstance(d, dict) and "bytes_before" in d for d in loaded):  # store recode runs
+        print(recode_table(loaded))
         return
     if all(isinstance(d, dict) and "clients" in d for d in loaded):  # load test runs
         print(load_table(loaded))
