@@ -132,3 +132,20 @@ class KVPoolFullError(PCRagError):
 
 class ServerBusyError(PCRagError):
     """Too many requests are waiting to be served; retry later (an HTTP server answers 429)."""
+
+
+class ModuleStoreError(PCRagError):
+    """A module store (a backend holding module KV, such as Redis) failed: unreachable, full or refusing."""
+
+
+class ModuleStoreUnavailableError(ModuleStoreError):
+    """The module store cannot be reached (stopped, restarting, network)."""
+
+
+class ModuleStoreFullError(ModuleStoreError):
+    """The module store refused a write for lack of memory; nothing else was changed."""
+
+
+class ModuleCorruptedError(ModuleStoreError):
+    """A stored module failed its checksum or is not a module frame: it is never used as KV."""
+
