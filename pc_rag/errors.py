@@ -148,4 +148,3 @@ class ModuleStoreFullError(ModuleStoreError):
 
 class ModuleCorruptedError(ModuleStoreError):
     """A stored module failed its checksum or is not a module frame: it is never used as KV."""
-
