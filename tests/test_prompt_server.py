@@ -37,6 +37,16 @@ def test_bad_settings_and_missing_backends_are_named(server: PromptServer) -> No
         server.stream("hi", max_tokens=3)
     with pytest.raises(PCRagError, match="needs a DocumentStore, a PromptCache"):
         PromptServer()
+    with pytest.raises(PCRagError, match="answering a question needs a document store"):
+        server.answer("What color is the sky?")
+
+
+def test_pml_served_by_full_prefill_is_the_same_tokens(server: PromptServer) -> None:
+    prompt = '<prompt schema="s"><doc/>What color?</prompt>'
+    full = server.stream(prompt, full=True, max_new_tokens=3)
+    text = "".join(full)
+    cache = server.prompt_cache
+    assert text == cache.generate_full(prompt, max_new_tokens=3).text and full.result.stats.cached_tokens == 0
 
 
 def test_conversations_are_rendered_with_an_explicit_system_turn(server: PromptServer) -> None:
