@@ -247,26 +247,26 @@ def serve_table(runs: list[Row]) -> str:
     return "\n".join(lines)
 
 
+def markdown(head: list[str], rows: list[list[str]]) -> str:
+    """A Markdown table of ``rows`` (cells already formatted) under ``head``."""
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    return "\n".join(lines + ["| " + " | ".join(cells) + " |" for cells in rows])
+
+
 def load_table(runs: list[Row]) -> str:
     """Markdown: one row per `examples/load_test.py` run against `pc-rag serve`."""
     head = ["requests", "clients", "failed", "identical to serial", "p50 ms", "p99 ms", "tokens/s", "requests/s"]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for r in runs:
-        lines.append(f"| {r['requests']} | {r['clients']} | {r['failed']} | {str(r['identical']).lower()} | "
-                     f"{r['p50_ms']:,.0f} | {r['p99_ms']:,.0f} | {r['tokens_per_s']:.1f} | "
-                     f"{r['requests_per_s']:.2f} |")  # fmt: skip
-    return "\n".join(lines)
+    return markdown(head, [[str(r["requests"]), str(r["clients"]), str(r["failed"]), str(r["identical"]).lower(),
+                            f"{r['p50_ms']:,.0f}", f"{r['p99_ms']:,.0f}", f"{r['tokens_per_s']:.1f}",
+                            f"{r['requests_per_s']:.2f}"] for r in runs])  # fmt: skip
 
 
 def recode_table(runs: list[Row]) -> str:
     """Markdown: one row per `pc-rag store recode --json` run."""
     head = ["codec", "chunks", "tokens", "MiB before", "MiB after", "B/token after", "seconds", "tokens/s"]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for r in runs:
-        lines.append(f"| {r['codec']} | {r['chunks']:,} | {r['tokens']:,} | {r['bytes_before'] / 2**20:,.0f} | "
-                     f"{r['bytes_after'] / 2**20:,.0f} | {r['bytes_per_token']:,.0f} | {r['seconds']:,.0f} | "
-                     f"{r['tokens_per_s']:,.0f} |")  # fmt: skip
-    return "\n".join(lines)
+    return markdown(head, [[r["codec"], f"{r['chunks']:,}", f"{r['tokens']:,}", f"{r['bytes_before'] / 2**20:,.0f}",
+                            f"{r['bytes_after'] / 2**20:,.0f}", f"{r['bytes_per_token']:,.0f}",
+                            f"{r['seconds']:,.0f}", f"{r['tokens_per_s']:,.0f}"] for r in runs])  # fmt: skip
 
 
 BENCH_TABLES: dict[str, Callable[[list[Row]], str]] = {  # else: bench peers
