@@ -170,7 +170,7 @@ def serve(lm: LoadedModel, store_dir: Path, *, host: str, port: int, mode: str |
 
     store = DocumentStore.load(store_dir, engine_for(lm))
     scheduler = Scheduler(lm, max_batch=max_batch, queue_limit=queue_limit)
-    app = create_app(PromptServer(store=store, mode=mode, scheduler=scheduler), scheduler)
+    app = create_app(PromptServer(store=store, mode=mode, scheduler=scheduler))
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="info"))
     print(f"serving {store_dir} ({len(store)} chunks, {lm.name}) on http://{host}:{port}/v1")
     try:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable
-from functools import partial
 from typing import Any
 
 from pc_rag.errors import PCRagError, ServerBusyError
@@ -20,13 +19,15 @@ from pc_rag.generate import GenerationResult, ReplyStream, collect
 from pc_rag.serving.openai_api import ChatBody, CompletionBody, RagBody, Reply, error_body
 from pc_rag.serving.prompt_server import PromptServer
 from pc_rag.serving.request import Request
-from pc_rag.serving.scheduler import Scheduler
 
 DEFAULT_MAX_TOKENS = 64
 
 
-def create_app(server: PromptServer, scheduler: Scheduler) -> Any:
-    """The FastAPI app serving ``server`` through ``scheduler``."""
+def create_app(server: PromptServer) -> Any:
+    """The FastAPI app serving ``server`` through its scheduler."""
+    scheduler = server.scheduler
+    if scheduler is None:
+        raise PCRagError("the HTTP app serves through a scheduler: build the PromptServer with one")
     try:
         from fastapi import FastAPI
         from fastapi.responses import JSONResponse, StreamingResponse
@@ -68,14 +69,12 @@ def create_app(server: PromptServer, scheduler: Scheduler) -> Any:
     def rag(body: RagBody) -> dict[str, object]:
         if server.store is None:
             raise PCRagError("this server has no document store: /v1/rag needs `pc-rag serve --store DIR`")
-
-        build = partial(server.rag_request, body.question, body.k, body.mode, max_new_tokens=body.max_tokens)
-        handles, request = scheduler.call(build)
-        result = collect(scheduler.submit(request))
+        answer = server.answer(body.question, body.k, body.mode, max_new_tokens=body.max_tokens)
+        result = answer.result
         return {
-            "answer": result.text,
+            "answer": answer.text,
             "sources": [
-                {"chunk_id": h.chunk_id, "doc_id": h.doc_id, "score": h.score, "text": h.text} for h in handles
+                {"chunk_id": h.chunk_id, "doc_id": h.doc_id, "score": h.score, "text": h.text} for h in answer.sources
             ],
             "timings": {"ttft_ms": result.stats.ttft_ms, "total_ms": result.stats.total_ms},
             "usage": {

@@ -34,7 +34,7 @@ def served(tmp_path_factory, tokenizer) -> Iterator[tuple[str, PromptServer]]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(create_app(prompt_server, scheduler), port=port, log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(create_app(prompt_server), port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     while not server.started:
@@ -123,7 +123,7 @@ def test_a_full_queue_answers_429(tokenizer, monkeypatch) -> None:
     scheduler = Scheduler(engine.lm, queue_limit=1)
     monkeypatch.setattr(scheduler, "_run", lambda: None)  # a worker that never serves: requests wait
     monkeypatch.setattr(scheduler, "call", lambda fn: fn())
-    client = TestClient(create_app(PromptServer(prompt_cache=PromptCache(engine.lm)), scheduler))
+    client = TestClient(create_app(PromptServer(prompt_cache=PromptCache(engine.lm), scheduler=scheduler)))
     scheduler._waiting.append(object())  # one request already waits
     reply = client.post("/v1/completions", json={"prompt": "hello", "max_tokens": 2})
     assert reply.status_code == 429 and reply.headers["retry-after"] == "1"
