@@ -1,13 +1,15 @@
-"""What LangChain's LLM and chat model adapters share: their generation settings, the server they build, and
-streaming a blocking generator to the event loop. This module knows nothing about prompts or messages."""
+"""What LangChain's LLM and chat model adapters share: the server and generation settings they are built with
+(``ServedModel``), and streaming a blocking generator to the event loop. This module knows nothing about prompts
+or messages."""
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Iterator
 from contextlib import suppress
-from typing import Any, TypeVar
+from typing import Any, Self, TypeVar
 
 from langchain_core.runnables.config import run_in_executor
+from pydantic import BaseModel, ConfigDict, Field
 
 from pc_rag.engine import PromptCache
 from pc_rag.errors import PCRagError
@@ -34,20 +36,42 @@ def sampling(adapter: Any, stop: list[str] | None, kwargs: dict[str, Any]) -> di
     return fields | {"stop": tuple(stop if stop is not None else adapter.stop or ())}
 
 
-def store_server(store: DocumentStore, mode: str | None, batched: bool) -> PromptServer:
-    """A server of ``store``'s module references; with ``batched``, concurrent calls decode together in a
-    ``Scheduler`` of its own."""
-    return PromptServer(store=store, mode=mode, scheduler=Scheduler(store.engine.lm) if batched else None)
+class ServedModel(BaseModel):
+    """What both LangChain adapters are: a ``PromptServer`` and the generation settings per-call keyword
+    arguments override. Mixed in before LangChain's ``LLM`` or ``BaseChatModel``."""
 
+    model_config = ConfigDict(arbitrary_types_allowed=True)  # the adapters set their own, forbidding extras
 
-def prompt_cache_server(prompt_cache: PromptCache, batched: bool) -> PromptServer:
-    """A server of ``prompt_cache``'s PML prompts (other text by full prefill); ``batched`` as ``store_server``."""
-    return PromptServer(prompt_cache=prompt_cache, scheduler=Scheduler(prompt_cache.lm) if batched else None)
+    server: PromptServer = Field(exclude=True, description="routes prompts to the store, PML engine or full prefill")
+    temperature: float = Field(default=0.0, ge=0.0, description="0 is greedy")
+    max_tokens: int = Field(default=256, ge=1, description="most new tokens per reply")
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=0, ge=0, description="0 disables the filter")
+    seed: int | None = Field(default=None, description="seeds sampling (temperature > 0)")
+    stop: list[str] | None = Field(default=None, description="default stop strings")
 
+    @classmethod
+    def from_store(cls, store: DocumentStore, mode: str | None = None, *, batched: bool = False,
+                   **settings: Any) -> Self:  # fmt: skip
+        """Serve module references to ``store``'s chunks with recovery ``mode`` (``None``: the store's); with
+        ``batched``, ``batch`` and concurrent calls decode together in a ``Scheduler`` of their own."""
+        scheduler = Scheduler(store.engine.lm) if batched else None
+        return cls(server=PromptServer(store=store, mode=mode, scheduler=scheduler), **settings)
 
-def token_ids(server: PromptServer, text: str) -> list[int]:
-    """Token ids under the served model's own tokenizer (LangChain's default would fetch GPT-2's)."""
-    return server.lm.tokenizer(text, add_special_tokens=False)["input_ids"]
+    @classmethod
+    def from_prompt_cache(cls, prompt_cache: PromptCache, *, batched: bool = False, **settings: Any) -> Self:
+        """Serve PML prompts with ``prompt_cache``'s schemas (other text by full prefill); ``batched`` as in
+        ``from_store``."""
+        scheduler = Scheduler(prompt_cache.lm) if batched else None
+        return cls(server=PromptServer(prompt_cache=prompt_cache, scheduler=scheduler), **settings)
+
+    @property
+    def model_name(self) -> str:
+        return self.server.model_name
+
+    def get_token_ids(self, text: str) -> list[int]:
+        """Token ids under the served model's own tokenizer (LangChain's default would fetch GPT-2's)."""
+        return self.server.lm.tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
 async def in_worker(chunks: Iterator[T]) -> AsyncIterator[T]:

@@ -25,57 +25,23 @@ except ImportError as e:  # pragma: no cover - depends on the environment
     msg = "the LangChain chat model needs langchain-core: `pip install pc-rag[langchain]`"
     raise ImportError(msg) from e
 
-from pc_rag.engine import PromptCache
 from pc_rag.errors import PCRagError
 from pc_rag.generate import GenerationResult
-from pc_rag.integrations._langchain_shared import (
-    SETTINGS,
-    in_worker,
-    prompt_cache_server,
-    sampling,
-    store_server,
-    token_ids,
-)
-from pc_rag.serving.prompt_server import PromptServer
-from pc_rag.store.document_store import DocumentStore
+from pc_rag.integrations._langchain_shared import SETTINGS, ServedModel, in_worker, sampling
 
 __all__ = ["ChatPromptCache"]
 
 
-class ChatPromptCache(BaseChatModel):
+class ChatPromptCache(ServedModel, BaseChatModel):
     """A local instruct model as a LangChain chat model that reuses prompt modules' KV; greedy by default."""
 
-    model_config = ConfigDict(arbitrary_types_allowed=True, extra="forbid")
+    model_config = ConfigDict(arbitrary_types_allowed=True, extra="forbid")  # LangChain's base would ignore extras
 
-    server: PromptServer = Field(exclude=True, description="routes turns to the store, PML engine or full prefill")
-    temperature: float = Field(default=0.0, ge=0.0, description="0 is greedy")
-    max_tokens: int = Field(default=256, ge=1, description="most new tokens per reply")
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = Field(default=0, ge=0, description="0 disables the filter")
-    seed: int | None = Field(default=None, description="seeds sampling (temperature > 0)")
-    stop: list[str] | None = Field(default=None, description="default stop strings")
     streaming: bool = Field(default=False, description="report each token to callbacks during invoke, too")
-
-    @classmethod
-    def from_store(
-        cls, store: DocumentStore, mode: str | None = None, *, batched: bool = False, **settings: Any
-    ) -> ChatPromptCache:
-        """Serve module references to ``store``'s chunks with recovery ``mode`` (``None``: the store's); with
-        ``batched``, concurrent calls decode together in a ``Scheduler`` of their own."""
-        return cls(server=store_server(store, mode, batched), **settings)
-
-    @classmethod
-    def from_prompt_cache(cls, prompt_cache: PromptCache, *, batched: bool = False, **settings: Any) -> ChatPromptCache:
-        """Serve PML prompts with ``prompt_cache``'s schemas (other turns by full prefill)."""
-        return cls(server=prompt_cache_server(prompt_cache, batched), **settings)
 
     @property
     def _llm_type(self) -> str:
         return "pc-rag-chat"
-
-    @property
-    def model_name(self) -> str:
-        return self.server.model_name
 
     @property
     def _identifying_params(self) -> dict[str, Any]:
@@ -87,10 +53,6 @@ class ChatPromptCache(BaseChatModel):
         params["ls_provider"] = "pc-rag"
         params["ls_model_name"] = self.model_name
         return params
-
-    def get_token_ids(self, text: str) -> list[int]:
-        """Token ids under the served model's own tokenizer (LangChain's default would fetch GPT-2's)."""
-        return token_ids(self.server, text)
 
     def _chunks(
         self, messages: list[BaseMessage], stop: list[str] | None, kwargs: dict[str, Any]

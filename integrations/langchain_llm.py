@@ -20,28 +20,18 @@ try:
     from langchain_core.language_models.llms import LLM
     from langchain_core.outputs import Generation, GenerationChunk, LLMResult
     from langchain_core.runnables.config import run_in_executor
-    from pydantic import ConfigDict, Field, PrivateAttr
+    from pydantic import ConfigDict, PrivateAttr
 except ImportError as e:  # pragma: no cover - depends on the environment
     msg = "the LangChain adapter needs langchain-core: `pip install pc-rag[langchain]`"
     raise ImportError(msg) from e
 
-from pc_rag.engine import PromptCache
 from pc_rag.generate import GenerationResult, GenerationStats
-from pc_rag.integrations._langchain_shared import (
-    SETTINGS,
-    in_worker,
-    prompt_cache_server,
-    sampling,
-    store_server,
-    token_ids,
-)
-from pc_rag.serving.prompt_server import PromptServer
-from pc_rag.store.document_store import DocumentStore
+from pc_rag.integrations._langchain_shared import SETTINGS, ServedModel, in_worker, sampling
 
 __all__ = ["PromptCacheLLM"]
 
 
-class PromptCacheLLM(LLM):
+class PromptCacheLLM(ServedModel, LLM):
     """A local model that reuses prompt modules' KV; greedy by default.
 
     Per-call keyword arguments override the fields of the same name; ``stop``
@@ -50,38 +40,13 @@ class PromptCacheLLM(LLM):
     forward per token for all; otherwise each reply is decoded on its own.
     """
 
-    model_config = ConfigDict(arbitrary_types_allowed=True, extra="forbid")
-
-    server: PromptServer = Field(exclude=True, description="routes prompts to the store, PML engine or full prefill")
-    temperature: float = Field(default=0.0, ge=0.0, description="0 is greedy")
-    max_tokens: int = Field(default=256, ge=1, description="most new tokens per reply")
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = Field(default=0, ge=0, description="0 disables the filter")
-    seed: int | None = Field(default=None, description="seeds sampling (temperature > 0)")
-    stop: list[str] | None = Field(default=None, description="default stop strings")
+    model_config = ConfigDict(arbitrary_types_allowed=True, extra="forbid")  # LangChain's base would ignore extras
 
     _last_stats: GenerationStats | None = PrivateAttr(default=None)
-
-    @classmethod
-    def from_store(
-        cls, store: DocumentStore, mode: str | None = None, *, batched: bool = False, **settings: Any
-    ) -> PromptCacheLLM:
-        """Serve module references to ``store``'s chunks with recovery ``mode`` (``None``: the store's); with
-        ``batched``, ``batch`` and concurrent calls decode together in a ``Scheduler`` of their own."""
-        return cls(server=store_server(store, mode, batched), **settings)
-
-    @classmethod
-    def from_prompt_cache(cls, prompt_cache: PromptCache, *, batched: bool = False, **settings: Any) -> PromptCacheLLM:
-        """Serve PML prompts with ``prompt_cache``'s schemas (other text by full prefill)."""
-        return cls(server=prompt_cache_server(prompt_cache, batched), **settings)
 
     @property
     def _llm_type(self) -> str:
         return "pc-rag"
-
-    @property
-    def model_name(self) -> str:
-        return self.server.model_name
 
     @property
     def _identifying_params(self) -> dict[str, Any]:
@@ -96,10 +61,6 @@ class PromptCacheLLM(LLM):
     def last_stats(self) -> GenerationStats | None:
         """Stats of the last reply this LLM finished (under concurrency, read ``generation_info`` instead)."""
         return self._last_stats
-
-    def get_token_ids(self, text: str) -> list[int]:
-        """Token ids under the served model's own tokenizer (LangChain's default would fetch GPT-2's)."""
-        return token_ids(self.server, text)
 
     def _chunks(self, prompt: str, stop: list[str] | None, kwargs: dict[str, Any]) -> Iterator[GenerationChunk]:
         """Text deltas, then an empty chunk whose ``generation_info`` holds the stats."""
