@@ -183,11 +183,9 @@ class PromptServer:
 
     def _turns_request(self, system: str, turns: list[tuple[str, str]], sampling: dict[str, object]) -> Request:
         """Full prefill of the conversation rendered through the model's chat template, then decoding."""
-        backend = self.engine if self.engine is not None else self.prompt_cache
-        assert backend is not None
-        w = backend.wrappers
+        w = self._backend.wrappers
         text = w.wrap("system", system) + "".join(w.wrap(role, c) for role, c in turns) + w.generation_prompt  # type: ignore[arg-type]
-        return full_request(backend.tokenize(text), SamplingParams(**sampling))  # type: ignore[arg-type]
+        return full_request(self._backend.tokenize(text), SamplingParams(**sampling))  # type: ignore[arg-type]
 
     def _answer(self, build: Callable[[], tuple[tuple[ModuleHandle, ...], Request]]) -> Answer:
         handles, request = self._built(build)
@@ -208,9 +206,12 @@ class PromptServer:
         """Serve ``request``: batched by the scheduler, or alone."""
         if self.scheduler is not None:
             return self.scheduler.stream(request)
-        backend = self.engine if self.engine is not None else self.prompt_cache
-        assert backend is not None
-        return backend.serve(request)
+        return self._backend.serve(request)
+
+    @property
+    def _backend(self) -> RagEngine | PromptCache:
+        """The engine that tokenizes and serves alone: the store's, else the Prompt Cache."""
+        return self.engine if self.engine is not None else self.prompt_cache  # type: ignore[return-value]
 
 
 def _check_settings(sampling: dict[str, object], known: Iterable[str] = SAMPLING_FIELDS) -> None:
