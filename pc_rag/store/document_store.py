@@ -15,18 +15,23 @@ import hashlib
 import logging
 import threading
 from collections.abc import Iterable, Sequence
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 from tqdm.auto import tqdm
 
-from pc_rag.errors import StoreError
+from pc_rag.errors import StoreCorruptedError, StoreError
+from pc_rag.modules.interface import ModuleStore
+from pc_rag.modules.keys import content_hash
 from pc_rag.rag.chunk import Chunk
 from pc_rag.rag.markers import module_ref, split_module_prompt
 from pc_rag.rag.modes import resolve_mode
 from pc_rag.rag.order import BEST_FIRST, reorder
 from pc_rag.store._atomic import sha256_file
+from pc_rag.store.chunk_encoding import ChunkWorkers, encode_again, encode_and_index, module_text
+from pc_rag.store.chunk_kv import ChunkKV, open_chunk_kv
 from pc_rag.store.chunking import commit_parts, split_text
 from pc_rag.store.codec_setup import install_codec, open_codec, parse_codec
 from pc_rag.store.committed import manifest_stamp, read_commit
@@ -36,8 +41,9 @@ from pc_rag.store.files import bytes_on_disk, check_store_directory, index_name,
 from pc_rag.store.handles import ModuleHandle
 from pc_rag.store.identity import serving_assumptions, storage_dtype, store_identity, warn_if_serving_changed
 from pc_rag.store.index import VectorIndex
-from pc_rag.store.kvstore import DEFAULT_LRU_BYTES, KVStore
+from pc_rag.store.kvstore import DEFAULT_LRU_BYTES
 from pc_rag.store.manifest import MANIFEST_NAME, ChunkRecord, DocRecord, IndexRecord, Manifest
+from pc_rag.store.module_kv import ModuleKV
 from pc_rag.store.writer_lock import WriterLock
 
 if TYPE_CHECKING:  # the engine encodes for the store; importing it would load the serving stack
@@ -70,7 +76,7 @@ class DocumentStore:
         directory: str | Path,
         engine: RagEngine,
         manifest: Manifest,
-        kv: KVStore,
+        kv: ChunkKV,
         index: VectorIndex,
         embedder: Embedder,
         mode: str,
@@ -97,9 +103,12 @@ class DocumentStore:
         storage_dtype: torch.dtype | None = None,
         lru_bytes: int = DEFAULT_LRU_BYTES,
         codec: str | None = None,
+        modules: str | ModuleStore | None = None,
     ) -> DocumentStore:
         """Start an empty store in ``directory`` (new, or empty), holding its writer lock (KV in ``storage_dtype``,
-        or compressed: ``codec`` ``cachegen[:LEVEL[,LEVEL...]]`` needs the model's CacheGen tables)."""
+        or compressed: ``codec`` ``cachegen[:LEVEL[,LEVEL...]]`` needs the model's CacheGen tables). With
+        ``modules`` (an address such as ``redis://host:6379/0``, or a ``ModuleStore``), chunk KV is kept there,
+        shared with every store built the same way, instead of in the directory."""
         directory, storage_dtype = Path(directory), storage_dtype or engine.kv_dtype  # default: the engine's
         _refuse_existing(directory)
         if chunk_tokens < 1 or not 0 <= overlap_tokens < chunk_tokens:
@@ -109,11 +118,13 @@ class DocumentStore:
         embedder = SentenceTransformerEmbedder() if embedder is None else as_embedder(embedder)
         identity = store_identity(engine, embedder, index_kind, chunk_tokens, overlap_tokens, mode, storage_dtype)
         manifest = Manifest(identity=identity, serving=serving_assumptions(engine, mode))
+        if modules is not None:
+            manifest.modules = modules if isinstance(modules, str) else str(getattr(modules, "url", "module store"))
         directory.mkdir(parents=True, exist_ok=True)
         levels = parse_codec(codec)
         kv_codec = install_codec(directory, manifest, engine.lm.fingerprint(), levels) if levels else None
-        kv = KVStore(directory, dtype=storage_dtype, compute_dtype=engine.lm.dtype, lru_bytes=lru_bytes,
-                     manifest=manifest, codec=kv_codec, levels=levels)  # fmt: skip
+        kv = open_chunk_kv(directory, manifest, storage=storage_dtype, compute_dtype=engine.lm.dtype,
+                           lru_bytes=lru_bytes, codec=kv_codec, modules=modules)  # fmt: skip
         store = cls(directory, engine, manifest, kv, VectorIndex(embedder.dim, index_kind), embedder, mode)
         store._writer.acquire()
         try:
@@ -132,9 +143,13 @@ class DocumentStore:
         *,
         embedder: object | None = None,
         lru_bytes: int = DEFAULT_LRU_BYTES,
+        modules: str | ModuleStore | None = None,
+        recompute_missing: bool = False,
     ) -> DocumentStore:
         """Open a store read-only (writes take the lock when they come); ``StoreMismatchError`` if it was built
-        with another model, tokenizer, preamble or embedder."""
+        with another model, tokenizer, preamble or embedder. A store whose KV lives in a module store reads it
+        there (``modules`` overrides the address it was built with); with ``recompute_missing``, a chunk whose
+        module is missing or whose module store is unreachable is encoded again from its text."""
         directory = Path(directory)
         if not (directory / MANIFEST_NAME).is_file():
             msg = f"{directory} is not a pc-rag store (no {MANIFEST_NAME})"
@@ -153,9 +168,15 @@ class DocumentStore:
         manifest.check_compatible(expected)
         warn_if_serving_changed(directory, manifest.serving, serving_assumptions(engine, mode))
         codec = open_codec(directory, manifest, engine.lm.fingerprint())
-        kv = KVStore(directory, dtype=storage, compute_dtype=engine.lm.dtype, lru_bytes=lru_bytes, manifest=manifest,
-                     codec=codec, levels=manifest.codec_levels)  # fmt: skip
-        return cls(directory, engine, manifest, kv, index, embedder, mode)
+        kv = open_chunk_kv(directory, manifest, storage=storage, compute_dtype=engine.lm.dtype, lru_bytes=lru_bytes,
+                           codec=codec, modules=modules)  # fmt: skip
+        store = cls(directory, engine, manifest, kv, index, embedder, mode)
+        if recompute_missing:
+            if not isinstance(kv, ModuleKV):
+                msg = f"recompute_missing: the store at {directory} keeps its KV in its own shards, not a module store"
+                raise StoreError(msg)
+            kv.recompute = partial(encode_again, store)
+        return store
 
     def __len__(self) -> int:
         return len(self.manifest.chunks)
@@ -227,7 +248,12 @@ class DocumentStore:
     def verify(self) -> str:
         """Check every checksum and cross-reference without writing; a summary, or ``StoreCorruptedError``
         naming each problem (``repair`` fixes what it names)."""
-        return check_contents(self.directory, self.manifest, self.kv, self.index)
+        summary = check_contents(self.directory, self.manifest, self.kv, self.index)
+        if isinstance(self.kv, ModuleKV) and (lost := self.kv.missing_chunks()):
+            msg = (f"{len(lost)} chunks of {self.directory} have no module in {self.kv.address} (e.g. chunk "
+                   f"{lost[0]}): load with recompute_missing, or re-index their documents")  # fmt: skip
+            raise StoreCorruptedError(msg)
+        return summary
 
     def compact(self) -> int:
         """Rewrite KV shards without deleted chunks and commit; return the bytes freed on disk.
@@ -286,6 +312,7 @@ class DocumentStore:
         *,
         progress: bool = True,
         commit_every: int = 0,
+        workers: ChunkWorkers | None = None,
     ) -> list[str]:
         """Chunk, encode, embed and index ``documents`` (texts or ``(text, metadata)``); return their ids.
 
@@ -293,6 +320,8 @@ class DocumentStore:
         A replaced document keeps its old version until the new one is committed. Empty documents are
         rejected before anything is written. With ``commit_every`` > 0, a commit follows every that many
         chunks (at document boundaries), so an interrupted run keeps its progress and a rerun resumes.
+        ``workers`` (e.g. ``pc_rag.scaleout.RayChunkWorkers``) encode and embed in other processes, into the
+        store's module store.
         """
         docs = [(d, {}) if isinstance(d, str) else (d[0], dict(d[1])) for d in documents]
         ids = list(ids) if ids is not None else [_doc_id(text) for text, _ in docs]
@@ -314,7 +343,7 @@ class DocumentStore:
             total = sum(len(p[3]) for p in pieces)
             bar = tqdm(total=total, desc="encoding chunks", unit="chunk", disable=not progress or not total)
             for part in commit_parts(pieces, commit_every):
-                self._add_part(part, bar)
+                self._add_part(part, bar, workers)
             bar.close()
         return ids
 
@@ -323,7 +352,9 @@ class DocumentStore:
         record = self.manifest.docs.get(doc_id)
         return record is not None and record.sha256 == _sha256(text) and record.metadata == (metadata or {})
 
-    def _add_part(self, pieces: list[tuple[str, str, dict[str, Any], list[Any]]], bar: tqdm) -> None:
+    def _add_part(
+        self, pieces: list[tuple[str, str, dict[str, Any], list[Any]]], bar: tqdm, workers: ChunkWorkers | None
+    ) -> None:
         """Encode and index ``pieces``, then swap them in for their old versions and commit."""
         fresh = iter(self.manifest.reserve_chunk_ids(sum(len(spans) for *_, spans in pieces)))
         records: dict[int, ChunkRecord] = {}
@@ -332,11 +363,12 @@ class DocumentStore:
         for doc_id, text, meta, spans in pieces:
             chunk_ids = tuple(next(fresh) for _ in spans)
             for cid, span in zip(chunk_ids, spans, strict=True):
-                token_ids[cid] = self.engine.tokenize(module_text(span.text))
-                records[cid] = ChunkRecord(doc_id, span.text, len(token_ids[cid]), span.start_char, span.end_char, meta)
+                ids = token_ids[cid] = self.engine.tokenize(module_text(span.text))
+                records[cid] = ChunkRecord(doc_id, span.text, len(ids), span.start_char, span.end_char, meta,
+                                           content_hash(ids))  # fmt: skip
             new_docs[doc_id] = DocRecord(chunk_ids, _sha256(text), meta)
         try:
-            self._encode_and_index(records, token_ids, bar)
+            encode_and_index(self, records, token_ids, bar, workers)
         except BaseException:
             self.index.remove(list(records))  # written KV stays unlisted, or listed dead: removed or compacted later
             self.kv.delete(records)
@@ -345,19 +377,6 @@ class DocumentStore:
         self.manifest.docs.update(new_docs)
         self.manifest.chunks.update(records)
         self.commit()
-
-    def _encode_and_index(
-        self, records: dict[int, ChunkRecord], token_ids: dict[int, list[int]], bar: tqdm, batch: int = 32
-    ) -> None:
-        conditioned = resolve_mode(self.mode).conditioned
-        items = sorted(records.items(), key=lambda kv: kv[1].n_tokens)  # similar lengths batch with little padding
-        for i in range(0, len(items), batch):
-            part = items[i : i + batch]
-            texts = [module_text(r.text) for _, r in part]
-            chunks = self.engine.encode_token_ids([token_ids[cid] for cid, _ in part], conditioned, texts)
-            self.kv.put_many({cid: chunk.kv for (cid, _), chunk in zip(part, chunks, strict=True)})
-            self.index.add([cid for cid, _ in part], self.embedder.embed_documents([r.text for _, r in part]))
-            bar.update(len(part))
 
     def delete(self, doc_ids: Iterable[str], *, save: bool = True) -> int:
         """Remove documents and their chunks; return how many chunks were removed. Unknown ids raise.
@@ -455,11 +474,6 @@ class DocumentStore:
             msg = f"the prompt references chunks of store(s) {foreign}, but this store is {self.store_id}"
             raise StoreError(msg)
         return parsed.before, self.chunks([self.handle(cid) for _, cid in parsed.refs]), parsed.after
-
-
-def module_text(chunk: str) -> str:
-    """The text a chunk is encoded as: the chunk, then a blank line separating it from the next one."""
-    return chunk.strip() + "\n\n"
 
 
 def _doc_id(text: str) -> str:

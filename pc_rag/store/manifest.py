@@ -24,7 +24,8 @@ from pc_rag.store.files import MANIFEST_NAME as MANIFEST_NAME  # its home is fil
 
 logger = logging.getLogger(__name__)
 
-FORMAT_VERSION = 3  # 2: versioned index file with a checksum, commit generation; 3: compressed KV shards
+FORMAT_VERSION = 4  # 2: versioned index file with a checksum, commit generation; 3: compressed KV shards;
+# 4: chunk content hashes, KV in a module store
 
 
 @dataclass(frozen=True)
@@ -47,7 +48,8 @@ class StoreIdentity:
 
 @dataclass(frozen=True)
 class ChunkRecord:
-    """One chunk: its document, text, character span in that document, token count and user metadata."""
+    """One chunk: its document, text, character span in that document, token count, user metadata and the
+    hash of its token ids (``pc_rag.modules.keys.content_hash``; empty in stores of format 3 and older)."""
 
     doc_id: str
     text: str
@@ -55,6 +57,7 @@ class ChunkRecord:
     start_char: int = 0
     end_char: int = 0
     metadata: dict[str, Any] = field(default_factory=dict)
+    content_hash: str = ""
 
 
 @dataclass(frozen=True)
@@ -104,6 +107,7 @@ class Manifest:
     index: IndexRecord | None = None
     codec_tables: IndexRecord | None = None  # the CacheGen table file compressed shards decode with
     codec_levels: tuple[int, ...] = ()  # the levels new chunks are written at (none: raw KV)
+    modules: str = ""  # the module store chunk KV lives in (its address when built); empty: this directory's shards
     generation: int = 0
     next_id: int = 0  # chunk ids below it were handed out once and are never reused
     format_version: int = FORMAT_VERSION
@@ -136,6 +140,7 @@ class Manifest:
             "index": asdict(self.index) if self.index else None,
             "codec_tables": asdict(self.codec_tables) if self.codec_tables else None,
             "codec_levels": list(self.codec_levels),
+            "modules": self.modules,
             "generation": self.generation,
             "next_id": self.next_id,
         }
@@ -181,6 +186,7 @@ class Manifest:
                 index=IndexRecord(check_index_name(index["name"]), str(index["sha256"])) if index else None,
                 codec_tables=IndexRecord(check_tables_name(tables["name"]), str(tables["sha256"])) if tables else None,
                 codec_levels=tuple(int(n) for n in data.get("codec_levels", ())),
+                modules=str(data.get("modules", "")),
                 generation=int(data.get("generation", 0)),
                 next_id=int(data.get("next_id", 0)),
                 format_version=version,
