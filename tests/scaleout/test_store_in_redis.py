@@ -102,9 +102,9 @@ def test_redis_stopped_mid_query_is_a_clear_error_or_a_recompute(tmp_path, engin
         with DocumentStore.load(tmp_path / "store", engine, embedder=embedder()) as store:
             exact = kv_of(store)
         own.stop()
-        with DocumentStore.load(tmp_path / "store", engine, embedder=embedder()) as store:
-            with pytest.raises(ModuleStoreUnavailableError, match=f"127.0.0.1:{own.port}.*unreachable"):
-                kv_of(store)
+        unreachable = pytest.raises(ModuleStoreUnavailableError, match=f"127.0.0.1:{own.port}.*unreachable")
+        with DocumentStore.load(tmp_path / "store", engine, embedder=embedder()) as store, unreachable:
+            kv_of(store)
         with DocumentStore.load(tmp_path / "store", engine, embedder=embedder(), recompute_missing=True) as store:
             for a, b in zip(exact, kv_of(store), strict=True):  # encoded again from the text: the same KV
                 torch.testing.assert_close(a, b, rtol=0, atol=0)
