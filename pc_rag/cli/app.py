@@ -26,6 +26,26 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"pc-rag: error: {self.prog.removeprefix('pc-rag ')}: {message} (see --help)\n")
 
 
+def _module_args(parser: argparse.ArgumentParser, *, serving: bool = True) -> None:
+    parser.add_argument(
+        "--modules",
+        default=None,
+        metavar="ADDRESS",
+        help="module store for chunk KV: redis://host:port/db or a directory (a new store keeps its "
+        "KV there; an existing one is read there instead of at the address it was built with)",
+    )
+    if serving:
+        parser.add_argument(
+            "--recompute-missing",
+            action="store_true",
+            help="encode a chunk again from its text when its module is missing or unreachable",
+        )
+
+
+def _module_options(args: argparse.Namespace) -> dict[str, object]:
+    return {"modules": args.modules, "recompute_missing": args.recompute_missing}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = _Parser(prog="pc-rag", description="Prompt Cache for retrieval-augmented QA.")
     parser.add_argument("--model", default=None, help="bundled model name, .gguf file or local HF directory")
@@ -50,6 +70,10 @@ def main(argv: list[str] | None = None) -> int:
     idx.add_argument("--codec", default=None, metavar="raw|cachegen[:LEVEL,...]",
                      help="compress the KV with CacheGen at these levels (new store; default raw)")  # fmt: skip
     idx.add_argument("--limit", type=_positive, default=None, help="index only the first N documents")
+    idx.add_argument("--ray", nargs="?", const="local", default=None, metavar="ADDRESS",
+                     help="encode on Ray actors (a cluster address, or none for one on this machine)")  # fmt: skip
+    idx.add_argument("--actors", type=_positive, default=2, help="--ray: encoder actors, one CPU each (default 2)")
+    _module_args(idx, serving=False)
     ask = commands.add_parser("ask", help="answer a question from a document store")
     ask.add_argument("question")
     ask.add_argument("--store", type=Path, required=True, help="store directory")
@@ -57,6 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     ask.add_argument("--mode", default=None, help="recovery mode (default: the store's)")
     ask.add_argument("--full", action="store_true", help="also answer by full prefill and print its TTFT")
     ask.add_argument("--max-new-tokens", type=_positive, default=64, help="answer length limit (default 64)")
+    _module_args(ask)
     serve = commands.add_parser("serve", help="an OpenAI-compatible HTTP server over a document store")
     serve.add_argument("--store", type=Path, required=True, help="store directory")
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
@@ -64,6 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--mode", default=None, help="recovery mode (default: the store's)")
     serve.add_argument("--max-batch", type=_positive, default=16, help="requests decoded together (default 16)")
     serve.add_argument("--queue-limit", type=_positive, default=64, help="waiting requests before 429 (default 64)")
+    _module_args(serve)
     store = commands.add_parser("store", help="verify (read-only), repair, compact or re-encode a document store")
     store.add_argument("action", choices=["verify", "repair", "compact", "recode"])
     store.add_argument("--store", type=Path, required=True, help="store directory")
@@ -132,6 +158,8 @@ def _run(args: argparse.Namespace) -> int:
             raise PCRagError(msg)
         store_commands.check_store_target(args.store, must_exist=False)
         parse_codec(args.codec)
+        if args.ray is not None and args.modules is None and not (args.store / "manifest.json").is_file():
+            raise PCRagError("--ray writes modules where every actor reaches them: give --modules (redis://, a dir)")
         docs = read_documents(args.paths)[: args.limit]
     elif args.command in ("ask", "store", "serve"):
         if args.command == "store" and (args.action == "recode") != (args.codec is not None):
@@ -158,15 +186,16 @@ def _run(args: argparse.Namespace) -> int:
     elif args.command == "index":
         assert docs is not None
         store_commands.index(lm, docs, args.store, chunk_tokens=args.chunk_tokens, overlap=args.overlap, mode=args.mode,
-                       index_kind=args.index_kind, kv_dtype=args.kv_dtype, codec=args.codec)  # fmt: skip
+                             index_kind=args.index_kind, kv_dtype=args.kv_dtype, codec=args.codec,
+                             modules=args.modules, ray=args.ray, actors=args.actors)  # fmt: skip
     elif args.command == "ask":
         store_commands.ask(lm, args.store, args.question, k=args.k, mode=args.mode, compare_full=args.full,
-                     max_new_tokens=args.max_new_tokens)  # fmt: skip
+                           max_new_tokens=args.max_new_tokens, **_module_options(args))  # fmt: skip
     elif args.command == "store":
         store_commands.store_maintenance(lm, args.action, args.store, args.codec, args.json)
     elif args.command == "serve":
         store_commands.serve(lm, args.store, host=args.host, port=args.port, mode=args.mode, max_batch=args.max_batch,
-                       queue_limit=args.queue_limit)  # fmt: skip
+                             queue_limit=args.queue_limit, **_module_options(args))  # fmt: skip
     elif args.command == "bench":
         _run_bench(args, lm)
     return 0

@@ -53,29 +53,43 @@ def store_compute_dtype(store_dir: Path) -> str | None:
     return identity.model_dtype.split("/")[0] if identity is not None else None
 
 
-def index(lm: LoadedModel, docs: list[SourceDocument], store_dir: Path, **options: object) -> None:
+def index(
+    lm: LoadedModel, docs: list[SourceDocument], store_dir: Path, *, modules: str | None = None,
+    ray: str | None = None, actors: int = 2, **options: object,
+) -> None:  # fmt: skip
     """Add ``docs`` to the store at ``store_dir`` (created with ``options``, or loaded: options must not differ).
 
     Unchanged documents are skipped, and a commit follows every ``COMMIT_EVERY_CHUNKS`` chunks: rerunning a
-    killed ``index`` resumes it.
+    killed ``index`` resumes it (and chunks whose module a module store already holds are not encoded again).
+    With ``ray``, ``actors`` Ray actors encode into the module store (``modules``, which ``ray`` needs).
     """
     engine = engine_for(lm)
     if (store_dir / MANIFEST_NAME).exists():
-        store = DocumentStore.load(store_dir, engine)
+        store = DocumentStore.load(store_dir, engine, modules=modules)
         _note_ignored_options(store, options)
     else:
         given = {**CREATION_DEFAULTS, **{k: v for k, v in options.items() if v is not None}}
         store = DocumentStore.create(
             store_dir, engine, chunk_tokens=given["chunk_tokens"], overlap_tokens=given["overlap"],
             mode=given["mode"], index_kind=given["index_kind"], storage_dtype=STORAGE_DTYPES.get(given["kv_dtype"]),
-            codec=given["codec"],
+            codec=given["codec"], modules=modules,
         )  # fmt: skip
+    workers = None
+    if ray is not None:
+        from pc_rag.scaleout import EncoderSpec, RayChunkWorkers
+
+        address = None if ray == "local" else ray
+        workers = RayChunkWorkers(EncoderSpec.of(store, modules), actors=actors, address=address,
+                                  embedder=store.embedder)  # fmt: skip
     with store:
         unchanged = sum(store.is_current(d.id, d.text, d.metadata) for d in docs)
         changed = sum(d.id in store.manifest.docs for d in docs) - unchanged
         start, before = time.perf_counter(), store.manifest.next_chunk_id()
         store.add_documents(
-            [(d.text, d.metadata) for d in docs], ids=[d.id for d in docs], commit_every=COMMIT_EVERY_CHUNKS
+            [(d.text, d.metadata) for d in docs],
+            ids=[d.id for d in docs],
+            commit_every=COMMIT_EVERY_CHUNKS,
+            workers=workers,
         )
         seconds = time.perf_counter() - start
         encoded = [c for d in docs for c in store.manifest.docs[d.id].chunk_ids if c >= before]
@@ -132,9 +146,10 @@ def store_maintenance(
 
 
 def ask(lm: LoadedModel, store_dir: Path, question: str, *, k: int, mode: str | None, compare_full: bool,
-        max_new_tokens: int) -> None:  # fmt: skip
-    """Answer ``question`` from the store; print the answer, its sources and TTFT (and full prefill's)."""
-    store = DocumentStore.load(store_dir, engine_for(lm))
+        max_new_tokens: int, **module_options: object) -> None:  # fmt: skip
+    """Answer ``question`` from the store; print the answer, its sources and TTFT (and full prefill's).
+    ``module_options`` are ``DocumentStore.load``'s ``modules`` and ``recompute_missing``."""
+    store = DocumentStore.load(store_dir, engine_for(lm), **module_options)
     if k > len(store):
         msg = f"k={k} is larger than the store ({len(store)} chunks)"
         raise StoreError(msg)
@@ -156,7 +171,7 @@ def ask(lm: LoadedModel, store_dir: Path, question: str, *, k: int, mode: str | 
 
 
 def serve(lm: LoadedModel, store_dir: Path, *, host: str, port: int, mode: str | None, max_batch: int,
-          queue_limit: int) -> None:  # fmt: skip
+          queue_limit: int, **module_options: object) -> None:  # fmt: skip
     """Serve the store over HTTP (OpenAI-compatible routes and /v1/rag) until interrupted.
 
     The scheduler serves on this thread, which loaded the model; uvicorn runs beside it (``Scheduler.run``)."""
@@ -168,7 +183,7 @@ def serve(lm: LoadedModel, store_dir: Path, *, host: str, port: int, mode: str |
     from pc_rag.serving.http import create_app
     from pc_rag.serving.scheduler import Scheduler
 
-    store = DocumentStore.load(store_dir, engine_for(lm))
+    store = DocumentStore.load(store_dir, engine_for(lm), **module_options)
     scheduler = Scheduler(lm, max_batch=max_batch, queue_limit=queue_limit)
     app = create_app(PromptServer(store=store, mode=mode, scheduler=scheduler))
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="info"))

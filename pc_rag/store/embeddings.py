@@ -133,6 +133,7 @@ class SentenceTransformerEmbedder(CheckedEmbedder):
             msg = "SentenceTransformerEmbedder needs sentence-transformers: `pip install sentence-transformers`"
             raise ImportError(msg) from e
         label = DEFAULT_EMBEDDER if path is None else Path(path).name
+        self.path = None if path is None else str(path)  # None: the default model, wherever it is installed
         path = _default_model_path() if path is None else Path(path)
         try:
             self.model = SentenceTransformer(str(path), device=str(device), local_files_only=True)
