@@ -23,16 +23,18 @@ from pc_rag.store.embeddings import Embedder
 
 class RayChunkWorkers:
     """Encode and embed with ``actors`` single-thread Ray actors; ``embedder`` embeds in the driver when the
-    spec names none (an embedder the workers cannot rebuild by path)."""
+    spec names none (an embedder the workers cannot rebuild by path). ``encoder`` is the actor class (a subclass
+    may wrap each batch, e.g. to record or inject failures)."""
 
     def __init__(
         self, spec: EncoderSpec, *, actors: int = 2, address: str | None = None, batch_size: int = 16,
         embedder: Embedder | None = None, threads_per_actor: int = 1, max_retries: int = 3,
+        encoder: type[ChunkEncoder] = ChunkEncoder,
     ) -> None:  # fmt: skip
         if spec.embedder is None and embedder is None:
             raise ValueError("the spec names no embedder for the workers: pass one for the driver")
         self.spec, self.actors, self.address, self.batch_size = spec, actors, address, batch_size
-        self.embedder, self.threads, self.max_retries = embedder, threads_per_actor, max_retries
+        self.embedder, self.threads, self.max_retries, self.encoder = embedder, threads_per_actor, max_retries, encoder
 
     def run(self, chunks: Sequence[NewChunk]) -> dict[int, np.ndarray]:
         try:
@@ -46,8 +48,9 @@ class RayChunkWorkers:
         rows = [{**asdict(c), "token_ids": list(c.token_ids)} for c in chunks]
         data = ray.data.from_items(rows, override_num_blocks=max(1, -(-len(rows) // self.batch_size)))
         encoded = data.map_batches(
-            ChunkEncoder, fn_constructor_kwargs={"spec": asdict(self.spec), "threads": self.threads},
-            batch_size=self.batch_size, batch_format="numpy", concurrency=self.actors, num_cpus=self.threads,
+            self.encoder, fn_constructor_kwargs={"spec": asdict(self.spec), "threads": self.threads},
+            batch_size=self.batch_size, batch_format="numpy", compute=ray.data.ActorPoolStrategy(size=self.actors),
+            num_cpus=self.threads,
             max_restarts=self.max_retries, max_task_retries=self.max_retries,
         )  # fmt: skip
         out = encoded.take_all()
