@@ -13,6 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import NoReturn
 
+from pc_rag.cli import module_args
 from pc_rag.errors import PCRagError
 from pc_rag.tune import cli as tune_cli
 
@@ -24,26 +25,6 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"pc-rag: error: {self.prog.removeprefix('pc-rag ')}: {message} (see --help)\n")
-
-
-def _module_args(parser: argparse.ArgumentParser, *, serving: bool = True) -> None:
-    parser.add_argument(
-        "--modules",
-        default=None,
-        metavar="ADDRESS",
-        help="module store for chunk KV: redis://host:port/db or a directory (a new store keeps its "
-        "KV there; an existing one is read there instead of at the address it was built with)",
-    )
-    if serving:
-        parser.add_argument(
-            "--recompute-missing",
-            action="store_true",
-            help="encode a chunk again from its text when its module is missing or unreachable",
-        )
-
-
-def _module_options(args: argparse.Namespace) -> dict[str, object]:
-    return {"modules": args.modules, "recompute_missing": args.recompute_missing}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -73,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     idx.add_argument("--ray", nargs="?", const="local", default=None, metavar="ADDRESS",
                      help="encode on Ray actors (a cluster address, or none for one on this machine)")  # fmt: skip
     idx.add_argument("--actors", type=_positive, default=2, help="--ray: encoder actors, one CPU each (default 2)")
-    _module_args(idx, serving=False)
+    module_args.add_module_args(idx, serving=False)
     ask = commands.add_parser("ask", help="answer a question from a document store")
     ask.add_argument("question")
     ask.add_argument("--store", type=Path, required=True, help="store directory")
@@ -81,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     ask.add_argument("--mode", default=None, help="recovery mode (default: the store's)")
     ask.add_argument("--full", action="store_true", help="also answer by full prefill and print its TTFT")
     ask.add_argument("--max-new-tokens", type=_positive, default=64, help="answer length limit (default 64)")
-    _module_args(ask)
+    module_args.add_module_args(ask)
     serve = commands.add_parser("serve", help="an OpenAI-compatible HTTP server over a document store")
     serve.add_argument("--store", type=Path, required=True, help="store directory")
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
@@ -89,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--mode", default=None, help="recovery mode (default: the store's)")
     serve.add_argument("--max-batch", type=_positive, default=16, help="requests decoded together (default 16)")
     serve.add_argument("--queue-limit", type=_positive, default=64, help="waiting requests before 429 (default 64)")
-    _module_args(serve)
+    module_args.add_module_args(serve)
     store = commands.add_parser("store", help="verify (read-only), repair, compact or re-encode a document store")
     store.add_argument("action", choices=["verify", "repair", "compact", "recode"])
     store.add_argument("--store", type=Path, required=True, help="store directory")
@@ -125,6 +106,11 @@ def main(argv: list[str] | None = None) -> int:
     serve_bench.add_argument("--shared-tokens", type=_positive, default=1024, help="tokens every request imports")
     serve_bench.add_argument("--new-tokens", type=_positive, default=32, help="tokens generated per request")
     serve_bench.add_argument("--json", type=Path, default=None, help="write the result as JSON here")
+    scale = bench_kinds.add_parser("scaleout", help="encoding on Ray actors and TTFT from Redis, against local")
+    scale.add_argument("--dataset", type=Path, required=True, help="multi-doc QA JSONL whose passages are indexed")
+    scale.add_argument("--passages", type=_positive, default=600, help="distinct passages to index (default 600)")
+    scale.add_argument("--questions", type=_positive, default=10, help="questions timed per condition (default 10)")
+    scale.add_argument("--json", type=Path, default=None, help="write the result as JSON here")
     _add_eval_parser(commands)
     tune_cli.add_parsers(commands, _positive)
     args = parser.parse_args(argv)
@@ -190,12 +176,12 @@ def _run(args: argparse.Namespace) -> int:
                              modules=args.modules, ray=args.ray, actors=args.actors)  # fmt: skip
     elif args.command == "ask":
         store_commands.ask(lm, args.store, args.question, k=args.k, mode=args.mode, compare_full=args.full,
-                           max_new_tokens=args.max_new_tokens, **_module_options(args))  # fmt: skip
+                           max_new_tokens=args.max_new_tokens, **module_args.module_options(args))  # fmt: skip
     elif args.command == "store":
         store_commands.store_maintenance(lm, args.action, args.store, args.codec, args.json)
     elif args.command == "serve":
         store_commands.serve(lm, args.store, host=args.host, port=args.port, mode=args.mode, max_batch=args.max_batch,
-                             queue_limit=args.queue_limit, **_module_options(args))  # fmt: skip
+                             queue_limit=args.queue_limit, **module_args.module_options(args))  # fmt: skip
     elif args.command == "bench":
         _run_bench(args, lm)
     return 0
@@ -271,6 +257,10 @@ def _run_bench(args: argparse.Namespace, lm: object) -> None:
             out = {**asdict(result), "attention": [asdict(r) for r in attention]}
             args.json.write_text(json.dumps(out, indent=2) + "\n")
         return
+    elif args.kind == "scaleout":
+        from pc_rag.bench import scaleout
+
+        return scaleout.main(lm, args.dataset, count=args.passages, questions=args.questions, json_out=args.json)
     elif args.kind == "encode":
         from pc_rag.bench.encode import encode_benchmark, format_rows
 

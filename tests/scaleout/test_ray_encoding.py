@@ -12,12 +12,12 @@ import pytest
 import redis
 import torch
 from conftest import tiny_model
-from redis_server import RedisServer
 from test_document_store import embedder
 
 from pc_rag.model import load_model
 from pc_rag.rag import RagEngine, RagPrompt
 from pc_rag.scaleout import EncoderSpec, RayChunkWorkers
+from pc_rag.scaleout.local_redis import RedisServer
 from pc_rag.store.document_store import DocumentStore
 
 ray = pytest.importorskip("ray")

