@@ -56,6 +56,9 @@ CASES = [
     (["store", "compact", "--store", "{tmp}/s", "--codec", "cachegen"], "--codec goes with `store recode`"),
     (["store", "verify", "--store", "{tmp}/s", "--json", "{tmp}/r.json"], "--json goes with `store recode`"),
     (["store", "recode", "--store", "{tmp}/s", "--codec", "cachegen:x"], "--codec takes raw, cachegen"),
+    (["index", "{tmp}/ok.txt", "--store", "{tmp}/s", "--ray"], "--ray writes modules where every actor reaches"),
+    (["index", "{tmp}/ok.txt", "--store", "{tmp}/s", "--modules", "ftp://x"], "module store address 'ftp://x'"),
+    (["ask", "q", "--store", "{tmp}/s", "--modules", "http://h"], "use redis://host:port/db"),
 ]
 
 

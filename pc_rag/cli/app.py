@@ -134,6 +134,10 @@ def _run(args: argparse.Namespace) -> int:
     from pc_rag.cli import store_commands
 
     docs = None
+    if getattr(args, "modules", None) is not None:
+        from pc_rag.modules.open_store import check_module_address
+
+        check_module_address(args.modules)
     if args.command == "index":  # read and check everything before the model loads or anything is written
         from pc_rag.store.codec_setup import parse_codec
         from pc_rag.store.ingest import read_documents

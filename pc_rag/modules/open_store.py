@@ -5,19 +5,30 @@ from __future__ import annotations
 
 from urllib.parse import urlparse
 
+from pc_rag.errors import ModuleStoreError
 from pc_rag.modules.interface import ModuleStore
+
+REDIS_SCHEMES = ("redis", "rediss", "unix")
+
+
+def check_module_address(address: str) -> str:
+    """The backend kind ``address`` names (``redis`` or ``directory``); ``ModuleStoreError`` for another."""
+    scheme = urlparse(address).scheme
+    if scheme in REDIS_SCHEMES:
+        return "redis"
+    if scheme in ("file", "") and address.strip():
+        return "directory"
+    msg = f"module store address {address!r}: use redis://host:port/db, rediss://, unix://, file:///dir or a path"
+    raise ModuleStoreError(msg)
 
 
 def open_module_store(address: str) -> ModuleStore:
-    """The backend ``address`` names; ``ValueError`` for an address of no known kind."""
-    scheme = urlparse(address).scheme
-    if scheme in ("redis", "rediss", "unix"):
+    """The backend ``address`` names."""
+    if check_module_address(address) == "redis":
         from pc_rag.modules.redis_store import RedisModuleStore
 
         return RedisModuleStore(address)
-    if scheme in ("file", ""):
-        from pc_rag.modules.local_store import LocalModuleStore
+    from pc_rag.modules.local_store import LocalModuleStore
 
-        return LocalModuleStore(urlparse(address).path if scheme else address)
-    msg = f"module store address {address!r}: use redis://host:port/db, rediss://, unix://, file:///dir or a path"
-    raise ValueError(msg)
+    parsed = urlparse(address)
+    return LocalModuleStore(parsed.path if parsed.scheme else address)

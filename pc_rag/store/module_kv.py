@@ -160,7 +160,8 @@ class ModuleKV:
         return 0
 
     def delete(self, chunk_ids: Iterable[int]) -> int:
-        """Forget the decoded spans of ``chunk_ids``; the modules stay (other stores may share them)."""
+        """Count the known ``chunk_ids`` and drop every decoded span (the LRU is keyed by module, not chunk); the
+        modules stay: other stores may share them."""
         gone = [c for c in chunk_ids if c in self.manifest.chunks]
         with self._lock:
             self._lru.clear()
