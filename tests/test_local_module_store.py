@@ -64,3 +64,30 @@ def test_a_document_store_over_a_directory_of_modules(tmp_path, tokenizer) -> No
         DocumentStore.load(tmp_path / "local", engine, embedder=embedder(), modules=str(tmp_path / "modules"))
     with pytest.raises(StoreError, match="recompute_missing"):
         DocumentStore.load(tmp_path / "local", engine, embedder=embedder(), recompute_missing=True)
+
+
+def test_compressed_modules_are_written_per_level_and_read_like_a_compressed_store(
+    tmp_path, tokenizer, monkeypatch
+) -> None:
+    from pc_rag.codec import fit_tables
+    from pc_rag.rag.tuned import codec_tables_file
+
+    engine = RagEngine(tiny_model("llama", tokenizer), RagPrompt())
+    monkeypatch.setenv("PC_RAG_CACHE", str(tmp_path / "cache"))
+    chunks = engine.encode([text for text, _ in DOCS] * 3, "naive")
+    (tmp_path / "cache" / "tuned").mkdir(parents=True)
+    fit_tables([(c.kv.keys, c.kv.values) for c in chunks], engine.lm.fingerprint()).save(
+        tmp_path / "cache" / "tuned" / codec_tables_file(engine.lm.fingerprint())
+    )
+    kwargs = {"embedder": embedder(), "chunk_tokens": 24, "overlap_tokens": 4, "codec": "cachegen:2,5"}
+    with DocumentStore.create(tmp_path / "shards", engine, **kwargs) as shards:
+        shards.add_documents(DOCS, progress=False)
+        expected = [c.kv.keys for c in shards.chunks([shards.handle(i) for i in sorted(shards.manifest.chunks)])]
+    with DocumentStore.create(tmp_path / "store", engine, modules=str(tmp_path / "m"), **kwargs) as store:
+        store.add_documents(DOCS, progress=False)
+        got = [c.kv.keys for c in store.chunks([store.handle(i) for i in sorted(store.manifest.chunks)])]
+        assert len(list((tmp_path / "m").rglob("*.pcrm"))) == 2 * len(store)  # one module per level
+        assert all(v.endswith(h) for (v, _), h in zip(store.kv.get_many_versioned(sorted(store.manifest.chunks)),
+                   [r.content_hash for _, r in sorted(store.manifest.chunks.items())], strict=True))  # fmt: skip
+    for a, b in zip(expected, got, strict=True):  # level 5, decoded from the same CacheGen bytes
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
