@@ -9,6 +9,7 @@ and speed per level; given `pc-rag bench link --json` files, cold TTFT per stora
 `examples/codec_allocation.py --json` files, KL against size per step allocation); given
 `examples/oracle_sweep.py --json` files, first-token and 8-token KL per selection and recompute budget; given
 `pc-rag bench serve --json` files, throughput, identity and KV held per run, their median, and the attention step;
+given `pc-rag bench scaleout --json` runs, encoding throughput and TTFT from Redis against local per run;
 given `examples/load_test.py --json` files, requests, failures and latency per run; given `pc-rag store recode
 --json` files, the store's size before and after, bytes per token and encode speed).
 Otherwise prints a Markdown table with one row per (dataset, mode) of the chosen datasets: F1 and its change
@@ -269,6 +270,30 @@ def recode_table(runs: list[Row]) -> str:
                             f"{r['seconds']:,.0f}", f"{r['tokens_per_s']:,.0f}"] for r in runs])  # fmt: skip
 
 
+def scaleout_table(runs: list[Row]) -> str:
+    """Markdown: each `pc-rag bench scaleout` run's encoding paths, then its ratios and TTFTs (and their median)."""
+    head = ["run", "encoding path", "chunks", "tokens", "seconds", "tokens/s", "actor start s", "tokens/s less start"]
+    encode = [[str(i), r["path"], f"{r['chunks']:,}", f"{r['tokens']:,}", f"{r['seconds']:,.1f}",
+               f"{r['tokens_per_s']:,.0f}", "" if r["start_s"] is None else f"{r['start_s']:.1f}",
+               "" if r["steady_tokens_per_s"] is None else f"{r['steady_tokens_per_s']:,.0f}"]
+              for i, run in enumerate(runs, 1) for r in run["encode"]]  # fmt: skip
+    keys = ["two_actors_vs_one", "two_actors_vs_in_process", "redis_vs_local_hot", "redis_vs_local_cold"]
+
+    def cells(name: str, ratios: Row, ttft: dict[tuple[str, str], float]) -> list[str]:
+        return [name, *(f"{ratios[k]:.2f}x" for k in keys[:2]), f"{ttft['local', 'hot']:,.0f}",
+                f"{ttft['redis', 'hot']:,.0f}", f"{ratios[keys[2]]:.2f}x", f"{ttft['local', 'cold']:,.0f}",
+                f"{ttft['redis', 'cold']:,.0f}", f"{ratios[keys[3]]:.2f}x"]  # fmt: skip
+
+    ttfts = [{(t["store"], t["cache"]): t["ttft_ms_median"] for t in run["ttft"]} for run in runs]
+    rows = [cells(str(i), run["ratios"], t) for i, (run, t) in enumerate(zip(runs, ttfts, strict=True), 1)]
+    if len(runs) > 1:
+        ratios = {k: statistics.median(run["ratios"][k] for run in runs) for k in keys}
+        rows.append(cells("median", ratios, {c: statistics.median(t[c] for t in ttfts) for c in ttfts[0]}))
+    head2 = ["run", "2 actors / 1 actor", "2 actors / in-process", "TTFT local hot ms", "Redis hot ms", "ratio",
+             "local cold ms", "Redis cold ms", "ratio"]  # fmt: skip
+    return markdown(head, encode) + "\n\n" + markdown(head2, rows)
+
+
 BENCH_TABLES: dict[str, Callable[[list[Row]], str]] = {  # else: bench peers
     "path": encode_table,
     "disk_bytes_per_token": memory_table,
@@ -291,6 +316,9 @@ def main() -> None:
         return
     if all(isinstance(d, dict) and "concurrency" in d for d in loaded):  # bench serve runs
         print(serve_table(loaded))
+        return
+    if all(isinstance(d, dict) and "ratios" in d for d in loaded):  # bench scaleout runs
+        print(scaleout_table(loaded))
         return
     if all(isinstance(d, dict) and "bytes_before" in d for d in loaded):  # store recode runs
         print(recode_table(loaded))
