@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
 import torch
@@ -109,9 +110,19 @@ class ModuleKV:
             msg = (f"the module of chunk {cid} (and {len(absent) - 1} more) is missing from the module store at "
                    f"{self.address} (evicted or flushed?): re-index, or load the store with recompute on")  # fmt: skip
             raise ModuleStoreError(msg)
-        for i, value in zip(misses, values, strict=True):
-            if value is not None:
-                spans[i] = self._decoded(chunk_ids[i], keys[i], value)
+        found = [(i, v) for i, v in zip(misses, values, strict=True) if v is not None]
+        workers = min(len(found), torch.get_num_threads())  # decoding releases the GIL, as in KVStore
+
+        def decode(item: tuple[int, bytes]) -> SpanKV:
+            return self._decoded(chunk_ids[item[0]], keys[item[0]], item[1])
+
+        if workers <= 1:
+            decoded = list(map(decode, found))
+        else:
+            with ThreadPoolExecutor(workers, thread_name_prefix="pc-rag-modules") as pool:
+                decoded = list(pool.map(decode, found))
+        for (i, _), span in zip(found, decoded, strict=True):
+            spans[i] = span
         if absent:
             return self._recomputed(chunk_ids, keys, spans, absent)
         return list(zip(keys, spans, strict=True))  # type: ignore[arg-type]
