@@ -3,7 +3,8 @@
     python examples/refresh_readme.py [--check]
 
 Each marker's command is run and its output replaces the block below the marker: the table's ``|`` lines
-and, when the command also prints a note after a blank line (``bench link``), the old note paragraph.
+and, when the command also prints a note after a blank line (``bench link``'s text, ``bench serve``'s second
+table), the old note paragraph of the same kind.
 ``--check`` changes nothing and exits 1 if a table is out of date.
 """
 
@@ -27,12 +28,15 @@ def rendered(command: str) -> list[str]:
 
 
 def old_block(lines: list[str], start: int, new: list[str]) -> int:
-    """The end (exclusive) of the block below a marker at ``start``: its table, and its note if ``new`` has one."""
+    """The end (exclusive) of the block below a marker at ``start``: its table, and its note (a second table, or
+    text) if ``new`` has one of the same kind."""
     end = start
     while end < len(lines) and lines[end].startswith("|"):
         end += 1
-    has_note = any(not line.startswith("|") for line in new)
-    if has_note and end + 1 < len(lines) and not lines[end].strip() and lines[end + 1].strip():
+    notes = [new[i + 1] for i, line in enumerate(new[:-1]) if not line.strip()]  # what follows the blank line
+    old_note = end + 1 < len(lines) and not lines[end].strip() and lines[end + 1].strip()
+    # a paragraph of another kind (prose under a new note that is a table, or the reverse) is the README's own
+    if notes and old_note and lines[end + 1].startswith("|") == notes[0].startswith("|"):
         end += 1
         while end < len(lines) and lines[end].strip():
             end += 1
