@@ -73,11 +73,11 @@ def test_an_interrupted_store_build_resumes(tmp_path, engine: RagEngine, monkeyp
     interrupt = [True]
     real_part = DocumentStore._add_part
 
-    def add_part(self, pieces, bar):
+    def add_part(self, pieces, bar, workers):
         if interrupt[0] and added:
             raise KeyboardInterrupt  # the user stops the build during its second part
         added.append([doc_id for doc_id, *_ in pieces])
-        return real_part(self, pieces, bar)
+        return real_part(self, pieces, bar, workers)
 
     monkeypatch.setattr(DocumentStore, "_add_part", add_part)
     contexts = OpenContexts(engine, EXAMPLES, k=1, directory=tmp_path, embedder=embedder())
