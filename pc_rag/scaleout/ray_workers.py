@@ -14,7 +14,7 @@ from dataclasses import asdict
 
 import numpy as np
 
-from pc_rag.errors import StoreError
+from pc_rag.errors import PCRagError, StoreError
 from pc_rag.scaleout.encoder_actor import ChunkEncoder
 from pc_rag.scaleout.encoder_spec import EncoderSpec
 from pc_rag.store.chunk_encoding import NewChunk
@@ -45,6 +45,7 @@ class RayChunkWorkers:
             return {}
         if not ray.is_initialized():
             ray.init(address=self.address, log_to_driver=False, configure_logging=False)
+        ray.data.DataContext.get_current().raise_original_map_exception = True  # an actor's own error, not Ray's
         rows = [{**asdict(c), "token_ids": list(c.token_ids)} for c in chunks]
         data = ray.data.from_items(rows, override_num_blocks=max(1, -(-len(rows) // self.batch_size)))
         encoded = data.map_batches(
@@ -53,7 +54,14 @@ class RayChunkWorkers:
             num_cpus=self.threads,
             max_restarts=self.max_retries, max_task_retries=self.max_retries,
         )  # fmt: skip
-        out = encoded.take_all()
+        try:
+            out = encoded.take_all()
+        except Exception as e:  # an actor's own error (unreachable store, wrong model) comes wrapped by Ray
+            cause = _pc_rag_cause(e)
+            if cause is None:
+                raise
+            cause.add_note("(raised in a Ray encoder actor; nothing of this part was committed)")
+            raise cause from None
         ids = [int(row["chunk_id"]) for row in out]
         if sorted(ids) != sorted(c.chunk_id for c in chunks):
             msg = f"the Ray job returned {len(ids)} results for {len(chunks)} chunks ({len(set(ids))} distinct)"
@@ -63,3 +71,14 @@ class RayChunkWorkers:
         assert self.embedder is not None
         vectors = self.embedder.embed_documents([c.text for c in chunks])
         return {c.chunk_id: v for c, v in zip(chunks, vectors, strict=True)}
+
+
+def _pc_rag_cause(error: BaseException | None) -> PCRagError | None:
+    """The first pc-rag error in the chain of causes Ray wraps an actor's exception in, if any."""
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, PCRagError):
+            return error
+        seen.add(id(error))
+        error = error.__cause__ or getattr(error, "cause", None) or error.__context__
+    return None

@@ -131,3 +131,16 @@ def test_a_killed_actor_loses_and_repeats_nothing(tmp_path, engine, url, cluster
     with DocumentStore.load(tmp_path / "store", engine, embedder=embedder()) as again:
         for key, keys in kv_by_content(again).items():
             torch.testing.assert_close(keys, expected[key])
+
+
+def test_workers_that_cannot_reach_the_module_store_fail_clearly_and_commit_nothing(tmp_path, engine, url, cluster):
+    from dataclasses import replace
+
+    from pc_rag.errors import ModuleStoreUnavailableError
+
+    with create(tmp_path / "store", engine, url) as store:
+        spec = replace(EncoderSpec.of(store), modules="redis://127.0.0.1:1/0")  # no server there
+        lost = RayChunkWorkers(spec, actors=2, batch_size=4, embedder=store.embedder, max_retries=0)
+        with pytest.raises(ModuleStoreUnavailableError, match=r"127\.0\.0\.1:1/0 is unreachable"):
+            store.add_documents(DOCS[:4], progress=False, workers=lost)
+        assert len(store) == 0 and store.manifest.docs == {} and redis.Redis.from_url(url).dbsize() == 0
