@@ -4,7 +4,8 @@ Routes: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completion
 with ``stream``; usage counts), and ``POST /v1/rag`` (a question answered from retrieved modules, with its sources
 and timings). Building a request (retrieval, the chunks' KV) is model work and runs on the scheduler's thread
 (``Scheduler.call``); decoding is batched across requests by the scheduler. Bad input answers 400, a full queue
-429 with ``Retry-After``, a closed scheduler 503, always as an OpenAI error body. This module knows nothing about
+429 with ``Retry-After``, a closed scheduler 503, a module store that is unreachable or lost modules 503 with
+``Retry-After``, always as an OpenAI error body. This module knows nothing about
 attention or storage formats.
 """
 
@@ -14,7 +15,7 @@ import itertools
 from collections.abc import Callable
 from typing import Any
 
-from pc_rag.errors import PCRagError, ServerBusyError
+from pc_rag.errors import ModuleStoreError, PCRagError, ServerBusyError
 from pc_rag.generate import GenerationResult, ReplyStream, collect
 from pc_rag.serving.openai_api import ChatBody, CompletionBody, RagBody, Reply, error_body
 from pc_rag.serving.prompt_server import PromptServer
@@ -41,6 +42,10 @@ def create_app(server: PromptServer) -> Any:
     @app.exception_handler(ServerBusyError)
     def busy(_: object, e: ServerBusyError) -> JSONResponse:
         return JSONResponse(error_body(str(e), "server_busy"), status_code=429, headers={"Retry-After": "1"})
+
+    @app.exception_handler(ModuleStoreError)
+    def store_unavailable(_: object, e: ModuleStoreError) -> JSONResponse:  # the module store, not the request
+        return JSONResponse(error_body(str(e), "unavailable"), status_code=503, headers={"Retry-After": "1"})
 
     @app.exception_handler(PCRagError)
     def bad_request(_: object, e: PCRagError) -> JSONResponse:

@@ -140,3 +140,21 @@ def test_langchain_chat_openai_pointed_at_the_server_gets_the_same_answers(serve
     assert chat.invoke([HumanMessage(QUESTION)]).content == expected
     assert "".join(chunk.content for chunk in chat.stream([HumanMessage(QUESTION)])) == expected
     assert [m.content for m in chat.batch([[HumanMessage(QUESTION)]] * 4)] == [expected] * 4
+
+
+def test_a_module_store_that_lost_its_modules_answers_503(tmp_path, tokenizer) -> None:
+    from fastapi.testclient import TestClient
+
+    engine = RagEngine(tiny_model("llama", tokenizer), RagPrompt())
+    store = make_store(tmp_path, engine, modules=str(tmp_path / "modules"))
+    for module in (tmp_path / "modules").rglob("*.pcrm"):
+        module.unlink()  # as a Redis restarted empty would have them
+    scheduler = Scheduler(engine.lm, max_batch=2)
+    try:
+        client = TestClient(create_app(PromptServer(store=store, scheduler=scheduler)))
+        reply = client.post("/v1/rag", json={"question": QUESTION, "k": 2, "max_tokens": 2})
+        assert reply.status_code == 503 and reply.headers["retry-after"] == "1"
+        assert "missing from the module store" in reply.json()["error"]["message"]
+    finally:
+        scheduler.close()
+        store.close()
