@@ -17,7 +17,6 @@ from test_document_store import embedder
 from pc_rag.model import load_model
 from pc_rag.rag import RagEngine, RagPrompt
 from pc_rag.scaleout import EncoderSpec, RayChunkWorkers
-from pc_rag.scaleout.local_redis import RedisServer
 from pc_rag.store.document_store import DocumentStore
 
 ray = pytest.importorskip("ray")
@@ -28,19 +27,6 @@ import dying_encoder  # noqa: E402
 
 DOCS = [(f"Document {i} tells of the river {i}, which flows {i * 3} miles past the town of Town{i} into the "
          f"lake {i % 5}. Fishermen there catch fish number {i * 7} in spring.", {}) for i in range(24)]  # fmt: skip
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    started = RedisServer(tmp_path_factory.mktemp("redis")).start()
-    yield started
-    started.stop()
-
-
-@pytest.fixture
-def url(server) -> str:
-    redis.Redis.from_url(server.url).flushdb()
-    return server.url
 
 
 @pytest.fixture(scope="module")

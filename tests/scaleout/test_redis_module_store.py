@@ -14,17 +14,9 @@ from pc_rag.scaleout.local_redis import RedisServer
 ENCODING = Encoding("preamble-sha", 256, 32, 512, True, "cachegen:01c01df40d8219f0:4")
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    started = RedisServer(tmp_path_factory.mktemp("redis")).start()
-    yield started
-    started.stop()
-
-
 @pytest.fixture
-def store(server):
-    redis.Redis.from_url(server.url).flushdb()
-    with RedisModuleStore(server.url) as s:
+def store(url):
+    with RedisModuleStore(url) as s:
         yield s
 
 

@@ -25,19 +25,6 @@ WORKER = Path(__file__).with_name("store_reader.py")
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    started = RedisServer(tmp_path_factory.mktemp("redis")).start()
-    yield started
-    started.stop()
-
-
-@pytest.fixture
-def url(server) -> str:
-    redis.Redis.from_url(server.url).flushdb()
-    return server.url
-
-
-@pytest.fixture(scope="module")
 def engine(tokenizer) -> RagEngine:
     return RagEngine(tiny_model("llama", tokenizer), RagPrompt())
 
