@@ -118,3 +118,22 @@ def no_network(monkeypatch: pytest.MonkeyPatch) -> None:
 
     monkeypatch.setattr(socket.socket, "connect", refuse)
     monkeypatch.setattr(socket, "create_connection", refuse)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """A real ``redis-server`` on a free loopback port, one per test module (the scale-out tests)."""
+    from pc_rag.scaleout.local_redis import RedisServer
+
+    started = RedisServer(tmp_path_factory.mktemp("redis")).start()
+    yield started
+    started.stop()
+
+
+@pytest.fixture
+def url(server) -> str:
+    """The Redis server's address, emptied first."""
+    import redis
+
+    redis.Redis.from_url(server.url).flushdb()
+    return server.url
