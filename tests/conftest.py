@@ -121,7 +121,7 @@ def no_network(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def redis_server(tmp_path_factory):
     """A real ``redis-server`` on a free loopback port, one per test module (the scale-out tests)."""
     from pc_rag.scaleout.local_redis import RedisServer
 
@@ -131,9 +131,9 @@ def server(tmp_path_factory):
 
 
 @pytest.fixture
-def url(server) -> str:
+def redis_url(redis_server) -> str:
     """The Redis server's address, emptied first."""
     import redis
 
-    redis.Redis.from_url(server.url).flushdb()
-    return server.url
+    redis.Redis.from_url(redis_server.url).flushdb()
+    return redis_server.url

@@ -67,8 +67,8 @@ def kv_by_content(store: DocumentStore) -> dict[str, torch.Tensor]:
     return {store.manifest.chunks[c].content_hash: chunk.kv.keys for c, chunk in zip(ids, chunks, strict=True)}
 
 
-def test_ray_actors_encode_what_the_store_would(tmp_path, engine, url, cluster) -> None:
-    with create(tmp_path / "local", engine, None) as local, create(tmp_path / "ray", engine, url) as remote:
+def test_ray_actors_encode_what_the_store_would(tmp_path, engine, redis_url, cluster) -> None:
+    with create(tmp_path / "local", engine, None) as local, create(tmp_path / "ray", engine, redis_url) as remote:
         local.add_documents(DOCS, progress=False)
         remote.add_documents(DOCS, progress=False, workers=workers(remote))
         assert len(remote) == len(local) and sorted(remote.index.ids()) == sorted(remote.manifest.chunks)
@@ -80,12 +80,12 @@ def test_ray_actors_encode_what_the_store_would(tmp_path, engine, url, cluster) 
         assert [h.text for h in remote.search(question, k=3)] == [h.text for h in local.search(question, k=3)]
 
 
-def test_a_rerun_encodes_only_what_is_missing(tmp_path, engine, url, cluster) -> None:
-    with create(tmp_path / "first", engine, url) as first:
+def test_a_rerun_encodes_only_what_is_missing(tmp_path, engine, redis_url, cluster) -> None:
+    with create(tmp_path / "first", engine, redis_url) as first:
         first.add_documents(DOCS[:10], progress=False, workers=workers(first))
-    client = redis.Redis.from_url(url)
+    client = redis.Redis.from_url(redis_url)
     written = set(client.keys())
-    with create(tmp_path / "second", engine, url) as second:
+    with create(tmp_path / "second", engine, redis_url) as second:
         spec = EncoderSpec.of(second)
         jobs = []
 
@@ -102,14 +102,14 @@ def test_a_rerun_encodes_only_what_is_missing(tmp_path, engine, url, cluster) ->
         assert not encoded & first_hashes
 
 
-def test_a_killed_actor_loses_and_repeats_nothing(tmp_path, engine, url, cluster) -> None:
-    with create(tmp_path / "store", engine, url) as store:
+def test_a_killed_actor_loses_and_repeats_nothing(tmp_path, engine, redis_url, cluster) -> None:
+    with create(tmp_path / "store", engine, redis_url) as store:
         store.add_documents(DOCS, progress=False, workers=workers(store, encoder=dying_encoder.DyingEncoder))
         assert cluster.exists()  # an actor did die mid-job
         ids = store.index.ids()
         assert len(ids) == len(set(ids)) == len(store) and set(ids) == set(store.manifest.chunks)
         hashes = {r.content_hash for r in store.manifest.chunks.values()}
-        assert redis.Redis.from_url(url).dbsize() == len(hashes)
+        assert redis.Redis.from_url(redis_url).dbsize() == len(hashes)
         assert store.verify()
     with create(tmp_path / "local", engine, None) as local:
         local.add_documents(DOCS, progress=False)
@@ -119,14 +119,16 @@ def test_a_killed_actor_loses_and_repeats_nothing(tmp_path, engine, url, cluster
             torch.testing.assert_close(keys, expected[key])
 
 
-def test_workers_that_cannot_reach_the_module_store_fail_clearly_and_commit_nothing(tmp_path, engine, url, cluster):
+def test_workers_that_cannot_reach_the_module_store_fail_clearly_and_commit_nothing(
+    tmp_path, engine, redis_url, cluster
+) -> None:
     from dataclasses import replace
 
     from pc_rag.errors import ModuleStoreUnavailableError
 
-    with create(tmp_path / "store", engine, url) as store:
+    with create(tmp_path / "store", engine, redis_url) as store:
         spec = replace(EncoderSpec.of(store), modules="redis://127.0.0.1:1/0")  # no server there
         lost = RayChunkWorkers(spec, actors=2, batch_size=4, embedder=store.embedder, max_retries=0)
         with pytest.raises(ModuleStoreUnavailableError, match=r"127\.0\.0\.1:1/0 is unreachable"):
             store.add_documents(DOCS[:4], progress=False, workers=lost)
-        assert len(store) == 0 and store.manifest.docs == {} and redis.Redis.from_url(url).dbsize() == 0
+        assert len(store) == 0 and store.manifest.docs == {} and redis.Redis.from_url(redis_url).dbsize() == 0

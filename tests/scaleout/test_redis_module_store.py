@@ -15,8 +15,8 @@ ENCODING = Encoding("preamble-sha", 256, 32, 512, True, "cachegen:01c01df40d8219
 
 
 @pytest.fixture
-def store(url):
-    with RedisModuleStore(url) as s:
+def store(redis_url):
+    with RedisModuleStore(redis_url) as s:
         yield s
 
 
@@ -31,9 +31,9 @@ def test_modules_round_trip_singly_and_in_batches(store: RedisModuleStore) -> No
     assert store.get_many([]) == [] and store.contains_many([]) == []
 
 
-def test_a_damaged_or_foreign_value_is_refused(server, store: RedisModuleStore) -> None:
+def test_a_damaged_or_foreign_value_is_refused(redis_server, store: RedisModuleStore) -> None:
     store.put("m", b"the module's bytes")
-    client = redis.Redis.from_url(server.url)
+    client = redis.Redis.from_url(redis_server.url)
     framed = client.get("m")
     client.set("m", framed[:-1] + bytes([framed[-1] ^ 1]))
     with pytest.raises(ModuleCorruptedError, match="checksum"):

@@ -51,10 +51,10 @@ def count_encodes(monkeypatch) -> list[int]:
     return calls
 
 
-def test_kv_and_answers_equal_the_local_store(tmp_path, engine, url) -> None:
-    with build(tmp_path / "local", engine) as local, build(tmp_path / "remote", engine, modules=url) as remote:
-        assert not list((tmp_path / "remote" / "kv").glob("*")) and remote.manifest.modules == url
-        assert redis.Redis.from_url(url).dbsize() == len(remote) == len(local)
+def test_kv_and_answers_equal_the_local_store(tmp_path, engine, redis_url) -> None:
+    with build(tmp_path / "local", engine) as local, build(tmp_path / "remote", engine, modules=redis_url) as remote:
+        assert not list((tmp_path / "remote" / "kv").glob("*")) and remote.manifest.modules == redis_url
+        assert redis.Redis.from_url(redis_url).dbsize() == len(remote) == len(local)
         for a, b in zip(kv_of(local), kv_of(remote), strict=True):
             torch.testing.assert_close(a, b, rtol=0, atol=0)
         answers = [PromptServer(store=s).answer(QUESTION, k=2, max_new_tokens=6) for s in (local, remote)]
@@ -62,10 +62,10 @@ def test_kv_and_answers_equal_the_local_store(tmp_path, engine, url) -> None:
         assert remote.verify()
 
 
-def test_a_second_store_on_the_same_redis_encodes_nothing(tmp_path, engine, url, monkeypatch) -> None:
-    build(tmp_path / "first", engine, modules=url).close()
+def test_a_second_store_on_the_same_redis_encodes_nothing(tmp_path, engine, redis_url, monkeypatch) -> None:
+    build(tmp_path / "first", engine, modules=redis_url).close()
     calls = count_encodes(monkeypatch)
-    with build(tmp_path / "second", engine, modules=url) as second:  # resumes by content hash
+    with build(tmp_path / "second", engine, modules=redis_url) as second:  # resumes by content hash
         assert calls == [] and len(second) > 0
         with DocumentStore.load(tmp_path / "first", engine, embedder=embedder()) as first:
             for a, b in zip(kv_of(first), kv_of(second), strict=True):
@@ -73,10 +73,10 @@ def test_a_second_store_on_the_same_redis_encodes_nothing(tmp_path, engine, url,
         assert calls == []
 
 
-def test_another_process_answers_from_the_modules_without_encoding(tmp_path, engine, url) -> None:
-    with build(tmp_path / "store", engine, modules=url) as store:
+def test_another_process_answers_from_the_modules_without_encoding(tmp_path, engine, redis_url) -> None:
+    with build(tmp_path / "store", engine, modules=redis_url) as store:
         expected = PromptServer(store=store).answer(QUESTION, k=2, max_new_tokens=6)
-    done = subprocess.run([sys.executable, str(WORKER), str(tmp_path / "store"), url, QUESTION],
+    done = subprocess.run([sys.executable, str(WORKER), str(tmp_path / "store"), redis_url, QUESTION],
                           capture_output=True, text=True, timeout=300)  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert done.stdout.split("\n")[:2] == ["encoded 0", repr(expected.result.token_ids)]
