@@ -12,7 +12,10 @@ from typing import Protocol, runtime_checkable
 
 @runtime_checkable
 class ModuleStore(Protocol):
-    """Module bytes by key (``ModuleKey.name``). Thread-safe; ``close`` releases connections or files."""
+    """Module bytes by key (``ModuleKey.name``), at the address ``url``. Thread-safe; ``close`` releases
+    connections or files."""
+
+    url: str
 
     def put(self, key: str, value: bytes) -> None: ...
 

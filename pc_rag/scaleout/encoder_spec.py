@@ -46,7 +46,7 @@ class EncoderSpec:
             model=lm.name, compute_dtype=lm.compute_dtype, model_fingerprint=kv.fingerprint,
             prompt=asdict(store.engine.prompt), mode=store.mode, storage_dtype=str(kv.dtype).removeprefix("torch."),
             codec_digest=kv.codec.tables.digest if kv.codec else "", codec_levels=kv.levels,
-            modules=modules or kv.address, encoding=asdict(kv.encoding),
+            modules=modules or kv.modules.url, encoding=asdict(kv.encoding),
             embedder=_embedder_args(store.embedder) if by_name else None,
         )  # fmt: skip
 

@@ -119,7 +119,7 @@ class DocumentStore:
         identity = store_identity(engine, embedder, index_kind, chunk_tokens, overlap_tokens, mode, storage_dtype)
         manifest = Manifest(identity=identity, serving=serving_assumptions(engine, mode))
         if modules is not None:
-            manifest.modules = modules if isinstance(modules, str) else str(getattr(modules, "url", "module store"))
+            manifest.modules = modules if isinstance(modules, str) else modules.url
         directory.mkdir(parents=True, exist_ok=True)
         levels = parse_codec(codec)
         kv_codec = install_codec(directory, manifest, engine.lm.fingerprint(), levels) if levels else None
@@ -250,7 +250,7 @@ class DocumentStore:
         naming each problem (``repair`` fixes what it names)."""
         summary = check_contents(self.directory, self.manifest, self.kv, self.index)
         if isinstance(self.kv, ModuleKV) and (lost := self.kv.missing_chunks()):
-            msg = (f"{len(lost)} chunks of {self.directory} have no module in {self.kv.address} (e.g. chunk "
+            msg = (f"{len(lost)} chunks of {self.directory} have no module in {self.kv.modules.url} (e.g. chunk "
                    f"{lost[0]}): load with recompute_missing, or re-index their documents")  # fmt: skip
             raise StoreCorruptedError(msg)
         return summary

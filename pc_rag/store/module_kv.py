@@ -64,10 +64,6 @@ class ModuleKV:
         self._lru: ByteLRU[SpanKV] = ByteLRU(lru_bytes, lambda s: s.nbytes + s.positions.nbytes)
         self._lock = threading.Lock()
 
-    @property
-    def address(self) -> str:
-        return str(getattr(self.modules, "url", type(self.modules).__name__))
-
     def key(self, content_hash: str, level: int | None = None) -> str:
         """The module key of a chunk's content at ``level`` (raw KV: no level)."""
         storage = f"cachegen:{self.codec.tables.digest}:{level}" if level is not None else self.encoding.storage
@@ -108,7 +104,7 @@ class ModuleKV:
         if absent and self.recompute is None:
             cid = chunk_ids[absent[0]]
             msg = (f"the module of chunk {cid} (and {len(absent) - 1} more) is missing from the module store at "
-                   f"{self.address} (evicted or flushed?): re-index, or load the store with recompute on")  # fmt: skip
+                   f"{self.modules.url} (evicted or flushed?): re-index, or load with recompute_missing")  # fmt: skip
             raise ModuleStoreError(msg)
         found = [(i, v) for i, v in zip(misses, values, strict=True) if v is not None]
         workers = min(len(found), torch.get_num_threads())  # decoding releases the GIL, as in KVStore
@@ -183,7 +179,7 @@ class ModuleKV:
         return 0
 
     def recode(self, *args: object, **kwargs: object) -> None:
-        msg = f"a store whose KV lives in {self.address} cannot be re-encoded in place: index into a new store"
+        msg = f"a store whose KV lives in {self.modules.url} cannot be re-encoded in place: index into a new store"
         raise StoreError(msg)
 
     def reload(self, manifest: Manifest) -> None:
@@ -192,7 +188,7 @@ class ModuleKV:
             self._lru.clear()
 
     def problem(self, name: str) -> str | None:
-        return f"shard {name} is listed, but this store keeps its KV in {self.address}"
+        return f"shard {name} is listed, but this store keeps its KV in {self.modules.url}"
 
     def close(self) -> None:
         with self._lock:
