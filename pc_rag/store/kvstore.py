@@ -26,7 +26,6 @@ import os
 import secrets
 import threading
 from collections.abc import Iterable, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -41,6 +40,7 @@ from pc_rag.errors import CodecError, StoreCorruptedError, StoreError
 from pc_rag.kv import SpanKV
 from pc_rag.store._atomic import fsync_dir, fsync_file, sha256_file, staged
 from pc_rag.store._lru import ByteLRU
+from pc_rag.store._threads import map_threads
 from pc_rag.store.files import SHARD_DIR, remove_unlisted
 from pc_rag.store.manifest import MANIFEST_NAME, Manifest, ShardRecord
 
@@ -95,7 +95,7 @@ class KVStore:
         self.manifest = manifest if manifest is not None else Manifest.load(path) if path.exists() else Manifest()
         self._where = self._locate()
         self._handles: dict[str, Any] = {}  # shard name -> open safe_open (mmap)
-        self._lru: ByteLRU[SpanKV] = ByteLRU(lru_bytes, _span_bytes)  # key: chunk id, or (chunk id, level)
+        self._lru: ByteLRU[SpanKV] = ByteLRU(lru_bytes, span_bytes)  # key: chunk id, or (chunk id, level)
         self._lock = threading.RLock()  # the shard table, handles and LRU
         self._opening: dict[str, threading.Lock] = {}  # shard name -> held while its checksum is verified
 
@@ -233,16 +233,7 @@ class KVStore:
         versions = [f"{record.sha256[:16]}/{cid}" + (f"@level{key[1]}" if record.codec else "")
                     for cid, ((_, record, key), _) in zip(chunk_ids, found, strict=True)]  # fmt: skip
         misses = [i for i, (_, span) in enumerate(found) if span is None]
-        workers = min(len(misses), torch.get_num_threads())
-
-        def load(i: int) -> SpanKV:
-            return self._load(chunk_ids[i], *found[i][0])
-
-        if workers <= 1:
-            loaded = map(load, misses)
-        else:
-            with ThreadPoolExecutor(workers, thread_name_prefix="pc-rag-kv") as pool:
-                loaded = list(pool.map(load, misses))
+        loaded = map_threads(lambda i: self._load(chunk_ids[i], *found[i][0]), misses, "pc-rag-kv")
         spans = [span for _, span in found]
         for i, span in zip(misses, loaded, strict=True):
             spans[i] = span
@@ -469,7 +460,8 @@ def _well_shaped(keys: torch.Tensor, values: torch.Tensor, positions: torch.Tens
     return keys.dim() == 4 and keys.shape == values.shape and positions.shape == (keys.shape[2],)
 
 
-def _span_bytes(span: SpanKV) -> int:
+def span_bytes(span: SpanKV) -> int:
+    """What a decoded span holds in memory: its keys, values and positions."""
     return span.nbytes + span.positions.nbytes
 
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
 import torch
@@ -24,6 +23,8 @@ from pc_rag.modules.interface import ModuleStore
 from pc_rag.modules.keys import Encoding, ModuleKey
 from pc_rag.modules.serialize import module_bytes, module_span
 from pc_rag.store._lru import ByteLRU
+from pc_rag.store._threads import map_threads
+from pc_rag.store.kvstore import span_bytes
 from pc_rag.store.manifest import Manifest
 
 Recompute = Callable[[Sequence[int]], list[SpanKV]]  # chunk ids -> their KV, encoded from the manifest's text
@@ -61,7 +62,7 @@ class ModuleKV:
             raise ValueError("compressed levels need a codec")
         self.level = level if level is not None else max(self.levels, default=None)
         self.recompute = recompute
-        self._lru: ByteLRU[SpanKV] = ByteLRU(lru_bytes, lambda s: s.nbytes + s.positions.nbytes)
+        self._lru: ByteLRU[SpanKV] = ByteLRU(lru_bytes, span_bytes)
         self._lock = threading.Lock()
 
     def key(self, content_hash: str, level: int | None = None) -> str:
@@ -107,16 +108,8 @@ class ModuleKV:
                    f"{self.modules.url} (evicted or flushed?): re-index, or load with recompute_missing")  # fmt: skip
             raise ModuleStoreError(msg)
         found = [(i, v) for i, v in zip(misses, values, strict=True) if v is not None]
-        workers = min(len(found), torch.get_num_threads())  # decoding releases the GIL, as in KVStore
-
-        def decode(item: tuple[int, bytes]) -> SpanKV:
-            return self._decoded(chunk_ids[item[0]], keys[item[0]], item[1])
-
-        if workers <= 1:
-            decoded = list(map(decode, found))
-        else:
-            with ThreadPoolExecutor(workers, thread_name_prefix="pc-rag-modules") as pool:
-                decoded = list(pool.map(decode, found))
+        decoded = map_threads(lambda item: self._decoded(chunk_ids[item[0]], keys[item[0]], item[1]), found,
+                              "pc-rag-modules")  # fmt: skip
         for (i, _), span in zip(found, decoded, strict=True):
             spans[i] = span
         if absent:
