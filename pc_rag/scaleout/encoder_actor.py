@@ -9,12 +9,17 @@ from typing import Any
 import numpy as np
 import torch
 
+from pc_rag.codec import CacheGenCodec
 from pc_rag.errors import StoreMismatchError
+from pc_rag.model import load_model
 from pc_rag.modules.keys import Encoding
 from pc_rag.modules.open_store import open_module_store
+from pc_rag.rag import RagEngine, RagPrompt
 from pc_rag.rag.modes import resolve_mode
 from pc_rag.scaleout.encoder_spec import EncoderSpec
 from pc_rag.store.chunk_encoding import module_text
+from pc_rag.store.codec_setup import model_tables
+from pc_rag.store.embeddings import SentenceTransformerEmbedder
 from pc_rag.store.kvstore import STORAGE_DTYPES
 from pc_rag.store.manifest import Manifest
 from pc_rag.store.module_kv import ModuleKV
@@ -25,42 +30,29 @@ class ChunkEncoder:
     ``chunk_id`` and, when the spec names an embedder, its ``vector``."""
 
     def __init__(self, spec: dict[str, Any], threads: int = 1) -> None:
-        from pc_rag.model import load_model
-        from pc_rag.rag import RagEngine, RagPrompt
-        from pc_rag.rag.tuned import find_codec_tables
-
         torch.set_num_threads(threads)
         self.spec = EncoderSpec(**{**spec, "codec_levels": tuple(spec["codec_levels"])})
         lm = load_model(self.spec.model, dtype=self.spec.compute_dtype)
-        if lm.fingerprint() != self.spec.model_fingerprint:
-            msg = (f"worker loaded {self.spec.model} as model {lm.fingerprint()}, but the store was built with "
+        fingerprint = lm.fingerprint()
+        if fingerprint != self.spec.model_fingerprint:
+            msg = (f"worker loaded {self.spec.model} as model {fingerprint}, but the store was built with "
                    f"{self.spec.model_fingerprint}: install the same weights on every node")  # fmt: skip
-            raise StoreMismatchError(msg, {"model_fingerprint": (self.spec.model_fingerprint, lm.fingerprint())})
+            raise StoreMismatchError(msg, {"model_fingerprint": (self.spec.model_fingerprint, fingerprint)})
         self.engine = RagEngine(lm, RagPrompt(**self.spec.prompt))
         self.conditioned = resolve_mode(self.spec.mode).conditioned
         codec = None
-        if self.spec.codec_levels:
-            from pc_rag.codec import CacheGenCodec, CodecTables
-
-            path = find_codec_tables(lm.fingerprint())
-            tables = CodecTables.load(path) if path is not None else None
-            if tables is None or tables.digest != self.spec.codec_digest:
-                found = tables.digest if tables else "none"
-                msg = (
-                    f"worker has CacheGen tables {found} for this model, the store writes with {self.spec.codec_digest}"
-                )
-                raise StoreMismatchError(msg, {"codec": (self.spec.codec_digest, found)})
+        if self.spec.codec_levels:  # the tables installed with pc-rag on this node, as the store's
+            tables = model_tables(fingerprint)[1]
+            if tables.digest != self.spec.codec_digest:
+                msg = f"worker has CacheGen tables {tables.digest}; the store writes with {self.spec.codec_digest}"
+                raise StoreMismatchError(msg, {"codec": (self.spec.codec_digest, tables.digest)})
             codec = CacheGenCodec(tables)
         storage = STORAGE_DTYPES[self.spec.storage_dtype]
         self.writer = ModuleKV(
-            open_module_store(self.spec.modules), Manifest(), lm.fingerprint(), Encoding(**self.spec.encoding),
+            open_module_store(self.spec.modules), Manifest(), fingerprint, Encoding(**self.spec.encoding),
             dtype=storage, compute_dtype=lm.dtype, codec=codec, levels=self.spec.codec_levels, lru_bytes=0,
         )  # fmt: skip
-        self.embedder = None
-        if self.spec.embedder is not None:
-            from pc_rag.store.embeddings import SentenceTransformerEmbedder
-
-            self.embedder = SentenceTransformerEmbedder(**self.spec.embedder)
+        self.embedder = SentenceTransformerEmbedder(**self.spec.embedder) if self.spec.embedder else None
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         texts = [str(t) for t in batch["text"]]

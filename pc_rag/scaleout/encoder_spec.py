@@ -7,6 +7,8 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 from pc_rag.errors import StoreError
+from pc_rag.store.embeddings import SentenceTransformerEmbedder
+from pc_rag.store.module_kv import ModuleKV
 
 if TYPE_CHECKING:
     from pc_rag.store.document_store import DocumentStore
@@ -33,9 +35,6 @@ class EncoderSpec:
     def of(cls, store: DocumentStore, modules: str | None = None, *, embed: bool = True) -> EncoderSpec:
         """The spec of ``store`` (whose KV must live in a module store; ``modules`` overrides its address as the
         workers see it). With ``embed``, workers embed too, if the store's embedder can be rebuilt by name."""
-        from pc_rag.store.embeddings import SentenceTransformerEmbedder
-        from pc_rag.store.module_kv import ModuleKV
-
         kv = store.kv
         if not isinstance(kv, ModuleKV):
             msg = f"the store at {store.directory} keeps its KV in local shards: workers need a module store"

@@ -35,8 +35,8 @@ def parse_codec(spec: str | None) -> tuple[int, ...]:
     return parsed
 
 
-def install_codec(directory: Path, manifest: Manifest, fingerprint: str, levels: tuple[int, ...]) -> CacheGenCodec:
-    """Copy the model's tables into the store, record them and ``levels`` in ``manifest``; the codec."""
+def model_tables(fingerprint: str) -> tuple[Path, CodecTables]:
+    """Where the tables of model ``fingerprint`` are installed, and the tables; ``StoreError`` if none are."""
     source = find_codec_tables(fingerprint)
     if source is None:
         searched = ", ".join(str(d) for d in tuned_dirs())
@@ -46,6 +46,12 @@ def install_codec(directory: Path, manifest: Manifest, fingerprint: str, levels:
     if tables.fingerprint != fingerprint:
         msg = f"CacheGen tables {source} were fitted for model {tables.fingerprint}, not {fingerprint}"
         raise StoreError(msg)
+    return source, tables
+
+
+def install_codec(directory: Path, manifest: Manifest, fingerprint: str, levels: tuple[int, ...]) -> CacheGenCodec:
+    """Copy the model's tables into the store, record them and ``levels`` in ``manifest``; the codec."""
+    source, tables = model_tables(fingerprint)
     for n in levels:
         tables.level(n)
     path = directory / tables_name(tables.digest)
