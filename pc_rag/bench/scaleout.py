@@ -70,14 +70,13 @@ def run(lm: LoadedModel, dataset: Path, *, count: int, kv_dtype: torch.dtype, qu
     """Both benchmarks; the result as one JSON-able dict."""
     docs, asked = passages(dataset, count)
     engine = RagEngine(lm, RagPrompt.longbench())
-    server = RedisServer(workdir / "redis")
     (workdir / "redis").mkdir(parents=True, exist_ok=True)
-    with server:
-        encode = [_in_process(engine, docs, workdir / "local", kv_dtype)]
+    with RedisServer(workdir / "redis") as server:
+        encode = [_index(engine, docs, workdir / "local", kv_dtype)]
         start = _actor_start(lm)
         for actors in (1, 2):
             redis.Redis.from_url(server.url).flushdb()
-            encode.append(_on_ray(engine, docs, workdir / f"ray{actors}", kv_dtype, server.url, actors, start))
+            encode.append(_index(engine, docs, workdir / f"ray{actors}", kv_dtype, server.url, actors, start))
         ttft = _ttft(engine, workdir / "local", workdir / "ray2", asked[:questions])
     rate = [r.tokens_per_s for r in encode]
     p50 = {(r.store, r.cache): r.ttft_ms_median for r in ttft}
@@ -88,19 +87,25 @@ def run(lm: LoadedModel, dataset: Path, *, count: int, kv_dtype: torch.dtype, qu
             "encode": [vars(r) for r in encode], "ttft": [vars(r) for r in ttft]}  # fmt: skip
 
 
-def _create(directory: Path, engine: RagEngine, kv_dtype: torch.dtype, modules: str | None) -> DocumentStore:
-    return DocumentStore.create(directory, engine, embedder=SentenceTransformerEmbedder(), storage_dtype=kv_dtype,
-                                modules=modules)  # fmt: skip
-
-
-def _in_process(engine: RagEngine, docs: list, directory: Path, kv_dtype: torch.dtype) -> EncodeRun:
+def _index(
+    engine: RagEngine, docs: list, directory: Path, kv_dtype: torch.dtype, url: str | None = None, actors: int = 0,
+    start: float | None = None,
+) -> EncodeRun:  # fmt: skip
+    """Index ``docs`` into a new store: in this process on 2 threads (local shards), or with ``actors`` Ray actors
+    into the Redis at ``url``; timed from the first chunk to the commit."""
     torch.set_num_threads(2)
-    with _create(directory, engine, kv_dtype, None) as store:
+    store = DocumentStore.create(directory, engine, embedder=SentenceTransformerEmbedder(), storage_dtype=kv_dtype,
+                                 modules=url)  # fmt: skip
+    with store:
+        workers = RayChunkWorkers(EncoderSpec.of(store), actors=actors, batch_size=32) if actors else None
         began = time.perf_counter()
-        store.add_documents(docs, progress=False)
+        store.add_documents(docs, progress=False, workers=workers)
         seconds = time.perf_counter() - began
         tokens = sum(r.n_tokens for r in store.manifest.chunks.values())
+    if not actors:
         return EncodeRun("one process, 2 threads (local shards)", len(store), tokens, seconds, tokens / seconds)
+    name = f"Ray, {actors} single-thread actor{'s' if actors > 1 else ''} (Redis)"
+    return EncodeRun(name, len(store), tokens, seconds, tokens / seconds, start, tokens / (seconds - start))
 
 
 def _actor_start(lm: LoadedModel) -> float:
@@ -112,17 +117,6 @@ def _actor_start(lm: LoadedModel) -> float:
     SentenceTransformerEmbedder()
     torch.set_num_threads(threads)
     return time.perf_counter() - began
-
-
-def _on_ray(engine, docs, directory: Path, kv_dtype, url: str, actors: int, start: float) -> EncodeRun:
-    with _create(directory, engine, kv_dtype, url) as store:
-        workers = RayChunkWorkers(EncoderSpec.of(store), actors=actors, batch_size=32)
-        began = time.perf_counter()
-        store.add_documents(docs, progress=False, workers=workers)
-        seconds = time.perf_counter() - began
-        tokens = sum(r.n_tokens for r in store.manifest.chunks.values())
-        name = f"Ray, {actors} single-thread actor{'s' if actors > 1 else ''} (Redis)"
-        return EncodeRun(name, len(store), tokens, seconds, tokens / seconds, start, tokens / (seconds - start))
 
 
 def _ttft(engine: RagEngine, local: Path, remote: Path, questions: list[str], k: int = 10) -> list[TtftRun]:
