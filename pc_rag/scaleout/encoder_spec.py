@@ -32,21 +32,22 @@ class EncoderSpec:
     embedder: dict[str, Any] | None  # SentenceTransformerEmbedder arguments (path, name, normalize), or None
 
     @classmethod
-    def of(cls, store: DocumentStore, modules: str | None = None, *, embed: bool = True) -> EncoderSpec:
+    def of(cls, store: DocumentStore, modules: str | None = None) -> EncoderSpec:
         """The spec of ``store`` (whose KV must live in a module store; ``modules`` overrides its address as the
-        workers see it). With ``embed``, workers embed too, if the store's embedder can be rebuilt by name."""
+        workers see it). Workers embed too when the store's embedder is a sentence-transformers model they can load
+        by path; otherwise the driver embeds."""
         kv = store.kv
         if not isinstance(kv, ModuleKV):
             msg = f"the store at {store.directory} keeps its KV in local shards: workers need a module store"
             raise StoreError(msg)
         lm = store.engine.lm
-        by_name = embed and isinstance(store.embedder, SentenceTransformerEmbedder)
+        by_path = isinstance(store.embedder, SentenceTransformerEmbedder)
         return cls(
             model=lm.name, compute_dtype=lm.compute_dtype, model_fingerprint=kv.fingerprint,
             prompt=asdict(store.engine.prompt), mode=store.mode, storage_dtype=str(kv.dtype).removeprefix("torch."),
             codec_digest=kv.codec.tables.digest if kv.codec else "", codec_levels=kv.levels,
             modules=modules or kv.modules.url, encoding=asdict(kv.encoding),
-            embedder=_embedder_args(store.embedder) if by_name else None,
+            embedder=_embedder_args(store.embedder) if by_path else None,
         )  # fmt: skip
 
 

@@ -56,10 +56,10 @@ def encode_and_index(
 ) -> None:  # fmt: skip
     """Write the KV of ``records`` to ``store.kv`` and their vectors to ``store.index``."""
     items = sorted(records.items(), key=lambda kv: kv[1].n_tokens)  # similar lengths batch with little padding
-    shared = isinstance(store.kv, ModuleKV)
-    missing = set(store.kv.missing(list({r.content_hash: None for _, r in items}))) if shared else set()
+    modules = store.kv if isinstance(store.kv, ModuleKV) else None
+    missing = set(modules.missing(list({r.content_hash: None for _, r in items}))) if modules else set()
     if workers is not None:
-        if not shared:
+        if modules is None:
             msg = "indexing with workers needs a store whose KV lives in a module store the workers can reach"
             raise StoreError(msg)
         chunks = [NewChunk(c, tuple(token_ids[c]), r.text, r.content_hash, r.content_hash in missing) for c, r in items]
@@ -73,11 +73,11 @@ def encode_and_index(
     conditioned = resolve_mode(store.mode).conditioned
     for i in range(0, len(items), BATCH):
         part = items[i : i + BATCH]
-        todo = [(cid, r) for cid, r in part if not shared or r.content_hash in missing]
+        todo = [(cid, r) for cid, r in part if modules is None or r.content_hash in missing]
         texts = [module_text(r.text) for _, r in todo]
         encoded = store.engine.encode_token_ids([token_ids[c] for c, _ in todo], conditioned, texts) if todo else []
-        if isinstance(store.kv, ModuleKV):
-            store.kv.put_many({r.content_hash: chunk.kv for (_, r), chunk in zip(todo, encoded, strict=True)})
+        if modules is not None:
+            modules.put_many({r.content_hash: chunk.kv for (_, r), chunk in zip(todo, encoded, strict=True)})
         else:
             store.kv.put_many({cid: chunk.kv for (cid, _), chunk in zip(todo, encoded, strict=True)})
         store.index.add([cid for cid, _ in part], store.embedder.embed_documents([r.text for _, r in part]))

@@ -35,8 +35,8 @@ class ModuleKV:
     """Chunk id -> ``SpanKV`` through ``modules`` (which this object closes), for the chunks ``manifest`` lists.
 
     ``encoding`` names how the store encodes (its ``storage`` is the raw dtype's name; compressed levels
-    replace it per level). With ``codec`` and ``levels``, each chunk is written at every level and read at
-    ``level`` (default: the highest). Thread-safe.
+    replace it per level). With ``codec`` and ``levels``, each chunk is written at every level and read at the
+    highest. Thread-safe.
     """
 
     def __init__(
@@ -51,7 +51,6 @@ class ModuleKV:
         device: str | torch.device = "cpu",
         codec: CacheGenCodec | None = None,
         levels: Iterable[int] = (),
-        level: int | None = None,
         lru_bytes: int,
         recompute: Recompute | None = None,
     ) -> None:
@@ -60,7 +59,7 @@ class ModuleKV:
         self.codec, self.levels = codec, tuple(sorted(set(levels)))
         if self.levels and codec is None:
             raise ValueError("compressed levels need a codec")
-        self.level = level if level is not None else max(self.levels, default=None)
+        self.level = max(self.levels, default=None)  # the level reads decode; None: raw KV
         self.recompute = recompute
         self._lru: ByteLRU[SpanKV] = ByteLRU(lru_bytes, span_bytes)
         self._lock = threading.Lock()
@@ -179,9 +178,6 @@ class ModuleKV:
         with self._lock:
             self.manifest = manifest
             self._lru.clear()
-
-    def problem(self, name: str) -> str | None:
-        return f"shard {name} is listed, but this store keeps its KV in {self.modules.url}"
 
     def close(self) -> None:
         with self._lock:
