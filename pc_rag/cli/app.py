@@ -140,6 +140,7 @@ def _run(args: argparse.Namespace) -> int:
         check_module_address(args.modules)
     if args.command == "index":  # read and check everything before the model loads or anything is written
         from pc_rag.store.codec_setup import parse_codec
+        from pc_rag.store.files import MANIFEST_NAME
         from pc_rag.store.ingest import read_documents
 
         overlap, chunk = args.overlap, args.chunk_tokens
@@ -148,7 +149,7 @@ def _run(args: argparse.Namespace) -> int:
             raise PCRagError(msg)
         store_commands.check_store_target(args.store, must_exist=False)
         parse_codec(args.codec)
-        if args.ray is not None and args.modules is None and not (args.store / "manifest.json").is_file():
+        if args.ray is not None and args.modules is None and not (args.store / MANIFEST_NAME).is_file():
             raise PCRagError("--ray writes modules where every actor reaches them: give --modules (redis://, a dir)")
         docs = read_documents(args.paths)[: args.limit]
     elif args.command in ("ask", "store", "serve"):

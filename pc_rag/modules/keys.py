@@ -13,6 +13,8 @@ import json
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
+import numpy as np
+
 KEY_VERSION = "v1"
 
 
@@ -53,5 +55,4 @@ class ModuleKey:
 
 def content_hash(token_ids: Sequence[int]) -> str:
     """sha256 of the token ids as little-endian int32s (the chunk's content, as the model reads it)."""
-    raw = b"".join(int(t).to_bytes(4, "little", signed=True) for t in token_ids)
-    return hashlib.sha256(raw).hexdigest()
+    return hashlib.sha256(np.asarray(token_ids, dtype="<i4").tobytes()).hexdigest()
