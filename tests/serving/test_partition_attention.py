@@ -15,21 +15,27 @@ from pc_rag.serving.partition_attention import SharedRun, partition_attention, p
 module = importlib.import_module("pc_rag.serving.partition_attention")
 
 
+def _visible(run: SharedRun) -> torch.Tensor:
+    return torch.ones(run.keys.shape[1], dtype=torch.bool) if run.mask is None else run.mask == 0
+
+
 def _reference(query, runs, private_keys, private_values, lengths, scale):
-    """Per row: its runs' keys and its private keys concatenated (the duplicated KV), then SDPA."""
+    """Per row: its runs' visible keys and its private keys concatenated (the duplicated KV), then SDPA."""
     kv_heads = private_keys.shape[1]
     out = []
     for b in range(query.shape[0]):
         mine = [r for r in runs if b in r.readers.tolist()]
-        keys = torch.cat([r.keys for r in mine] + [private_keys[b, :, : lengths[b]]], dim=1)
-        values = torch.cat([r.values for r in mine] + [private_values[b, :, : lengths[b]]], dim=1)
+        keys = torch.cat([r.keys[:, _visible(r)] for r in mine] + [private_keys[b, :, : lengths[b]]], dim=1)
+        values = torch.cat([r.values[:, _visible(r)] for r in mine] + [private_values[b, :, : lengths[b]]], dim=1)
         q = query[b][None, :, None]  # [1, H, 1, D]
         o = F.scaled_dot_product_attention(q, keys[None], values[None], scale=scale, enable_gqa=kv_heads > 1)
         out.append(o[0, :, 0])
     return torch.stack(out)
 
 
-def _case(seed: int, batch: int, sharing: list[list[bool]], heads=6, kv_heads=2, dim=16, device="cpu"):
+def _case(seed: int, batch: int, sharing: list[list[bool]], heads=6, kv_heads=2, dim=16, device="cpu", gaps=False):
+    """Random queries, runs read by the rows ``sharing`` names, and private rows; with ``gaps``, each run masks a
+    few of its keys (padding between segments)."""
     g = torch.Generator().manual_seed(seed)
     query = torch.randn(batch, heads, dim, generator=g)
     runs = []
@@ -38,10 +44,17 @@ def _case(seed: int, batch: int, sharing: list[list[bool]], heads=6, kv_heads=2,
         if rows:
             length = int(torch.randint(1, 40, (1,), generator=g))
             pool = torch.randn(2, kv_heads, length + 7, dim, generator=g)  # a view inside a larger pool
-            runs.append(SharedRun(pool[0, :, 3 : 3 + length], pool[1, :, 3 : 3 + length], torch.tensor(rows)))
+            mask = None
+            if gaps:
+                hidden = torch.rand(length, generator=g) < 0.3
+                hidden[int(torch.randint(0, length, (1,), generator=g))] = False  # at least one key visible
+                mask = torch.zeros(length).masked_fill_(hidden, float("-inf"))
+            keys, values = pool[0, :, 3 : 3 + length], pool[1, :, 3 : 3 + length]
+            runs.append(SharedRun(keys, values, torch.tensor(rows), mask))
     lengths = torch.randint(1, 12, (batch,), generator=g)
     private = torch.randn(2, batch, kv_heads, 12, dim, generator=g)
-    moved = [SharedRun(r.keys.to(device), r.values.to(device), r.readers.to(device)) for r in runs]
+    fields = ((r.keys, r.values, r.readers, r.mask) for r in runs)
+    moved = [SharedRun(*(t if t is None else t.to(device) for t in run)) for run in fields]
     mask = private_mask(lengths.to(device), 12, torch.float32)
     args = (query.to(device), moved, private[0].to(device), private[1].to(device), mask, dim**-0.5)
     return args, (query, runs, private[0], private[1], lengths, dim**-0.5)
@@ -58,6 +71,18 @@ def test_equals_sdpa_over_duplicated_kv_for_any_sharing(seed, batch, sharing):
     torch.testing.assert_close(partition_attention(*args), _reference(*reference), rtol=1e-5, atol=1e-5)
 
 
+@settings(max_examples=40, deadline=None)
+@given(
+    seed=st.integers(0, 2**16),
+    batch=st.integers(1, 6),
+    sharing=st.lists(st.lists(st.booleans(), min_size=6, max_size=6), min_size=1, max_size=4),
+)
+def test_keys_a_run_masks_count_for_nothing(seed, batch, sharing):
+    """Segments stored back to back form one run whose padding is masked: those keys must weigh nothing."""
+    args, reference = _case(seed, batch, sharing, gaps=True)
+    torch.testing.assert_close(partition_attention(*args), _reference(*reference), rtol=1e-5, atol=1e-5)
+
+
 def test_runs_every_row_reads_merge_to_the_same_bits_as_rows_gathered_and_scattered(monkeypatch):
     args, _ = _case(5, 4, [[True] * 6, [True] * 6])
     fast = partition_attention(*args)
@@ -66,8 +91,10 @@ def test_runs_every_row_reads_merge_to_the_same_bits_as_rows_gathered_and_scatte
     assert torch.equal(partition_attention(*args), fast)
 
 
-def test_without_the_fused_kernel_the_matmul_path_agrees(monkeypatch):
-    args, reference = _case(3, 5, [[True] * 6, [True, False, True, False, True, False], [False, True] * 3])
+@pytest.mark.parametrize("gaps", [False, True])
+def test_without_the_fused_kernel_the_matmul_path_agrees(monkeypatch, gaps):
+    sharing = [[True] * 6, [True, False, True, False, True, False], [False, True] * 3]
+    args, reference = _case(3, 5, sharing, gaps=gaps)
     fused = partition_attention(*args)
     monkeypatch.setattr(module, "FLASH_CPU", None)
     torch.testing.assert_close(partition_attention(*args), fused, rtol=1e-5, atol=1e-5)
