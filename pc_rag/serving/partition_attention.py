@@ -68,7 +68,7 @@ def partition_attention(
     out, lse = attend_with_lse(grouped, private_keys, private_values, private[:, None, None, :], scale)
     if not runs:
         return out.reshape(batch, heads, dim)
-    outs, lses, rows = [out.float()], [lse.float()], [torch.arange(batch, device=query.device)]
+    outs, lses = [out], [lse]  # each part's output [n, H_kv, n_rep, D] and log-sum-exp over its n rows
     for run in runs:
         n = run.readers.shape[0]
         every_row = n == batch  # distinct rows in increasing order: all of them, in order
@@ -78,40 +78,34 @@ def partition_attention(
             q = torch.cat([q, q[:, :, :1].expand(-1, -1, pad, -1)], 2)
         mask = run.mask[None, None, None, :] if run.mask is not None else None
         o, lse_run = attend_with_lse(q, run.keys[None], run.values[None], mask, scale)
-        outs.append(o[:, :, : n * n_rep].reshape(kv_heads, n, n_rep, dim).transpose(0, 1).float())
-        lses.append(lse_run[:, :, : n * n_rep].reshape(kv_heads, n, n_rep).transpose(0, 1).float())
-        rows.append(run.readers)
-    if all(r.shape[0] == batch for r in rows):
-        merged = _merge_every_row(outs, lses)
-    else:
-        merged = _merge(torch.cat(outs), torch.cat(lses), torch.cat(rows), batch)
+        if pad:
+            o, lse_run = o[:, :, : n * n_rep], lse_run[:, :, : n * n_rep]
+        outs.append(o[0].unflatten(1, (n, n_rep)).transpose(0, 1))
+        lses.append(lse_run[0].unflatten(1, (n, n_rep)).transpose(0, 1))
+    merged = _merge(*_every_part_of_every_row(outs, lses, [run.readers for run in runs], batch))
     return merged.reshape(batch, heads, dim).to(query.dtype)
 
 
-def _merge_every_row(outs: Sequence[torch.Tensor], lses: Sequence[torch.Tensor]) -> torch.Tensor:
-    """``_merge`` when every part covers every row in order: the same arithmetic in the same order (so the same
-    bits), without gathering and scattering rows."""
-    top = lses[0]
-    for lse in lses[1:]:
-        top = torch.maximum(top, lse)
-    weights = [torch.exp(lse - top) for lse in lses]
-    total, merged = weights[0], outs[0] * weights[0][..., None]
-    for out, weight in zip(outs[1:], weights[1:], strict=True):
-        total = total + weight
-        merged = merged + out * weight[..., None]
-    return merged / total[..., None]
+def _every_part_of_every_row(
+    outs: Sequence[torch.Tensor], lses: Sequence[torch.Tensor], readers: Sequence[torch.Tensor], batch: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The parts (the private one, then one per run, each over its readers) as float32 [T, B, H_kv, n_rep, D] and
+    [T, B, H_kv, n_rep]: a row that does not read a run has output 0 and log-sum-exp -inf there, a part of weight
+    exactly 0, so a row merges to the same bits whatever the other rows read."""
+    if all(rows.shape[0] == batch for rows in readers):
+        return torch.stack(outs).float(), torch.stack(lses).float()
+    out = outs[0].new_zeros((len(outs), *outs[0].shape), dtype=torch.float32)
+    lse = lses[0].new_full((len(lses), *lses[0].shape), float("-inf"), dtype=torch.float32)
+    out[0], lse[0] = outs[0], lses[0]
+    for part, rows in enumerate(readers, 1):
+        out[part, rows], lse[part, rows] = outs[part].float(), lses[part].float()
+    return out, lse
 
 
-def _merge(out: torch.Tensor, lse: torch.Tensor, rows: torch.Tensor, batch: int) -> torch.Tensor:
-    """Partial outputs ``out`` [T, H_kv, n_rep, D] with their ``lse`` [T, H_kv, n_rep], part t of row ``rows[t]``,
-    merged into [B, H_kv, n_rep, D]: each part weighted by its share of its row's softmax mass (added in part
-    order)."""
-    index = rows.view(-1, *(1,) * (lse.dim() - 1)).expand_as(lse)
-    top = torch.full((batch, *lse.shape[1:]), float("-inf"), device=lse.device).scatter_reduce_(0, index, lse, "amax")
-    weight = torch.exp(lse - top[rows])
-    total = torch.zeros_like(top).index_add_(0, rows, weight)
-    merged = torch.zeros((batch, *out.shape[1:]), device=out.device).index_add_(0, rows, out * weight[..., None])
-    return merged / total[..., None]
+def _merge(out: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    """Parts ``out`` [T, B, H_kv, n_rep, D] merged into [B, H_kv, n_rep, D], each weighted by its share of its
+    row's softmax mass (the softmax of the parts' log-sum-exp ``lse`` [T, B, H_kv, n_rep]), added in part order."""
+    return (out * torch.softmax(lse, dim=0)[..., None]).sum(0)
 
 
 def attend_with_lse(

@@ -83,12 +83,22 @@ def test_keys_a_run_masks_count_for_nothing(seed, batch, sharing):
     torch.testing.assert_close(partition_attention(*args), _reference(*reference), rtol=1e-5, atol=1e-5)
 
 
-def test_runs_every_row_reads_merge_to_the_same_bits_as_rows_gathered_and_scattered(monkeypatch):
-    args, _ = _case(5, 4, [[True] * 6, [True] * 6])
-    fast = partition_attention(*args)
-    monkeypatch.setattr(module, "_merge_every_row", lambda outs, lses: module._merge(
-        torch.cat(outs), torch.cat(lses), torch.arange(4).repeat(len(outs)), 4))  # fmt: skip
-    assert torch.equal(partition_attention(*args), fast)
+@pytest.mark.parametrize("others_read", [[], [1, 2, 3], [1, 3], [2]])
+def test_a_row_merges_to_the_same_bits_alone_as_beside_rows_reading_other_runs(others_read):
+    """Row 0 reads runs A and C; in a batch, other rows may also read a run B between them: row 0's output must
+    not change by one bit, whichever merge the batch takes."""
+    g = torch.Generator().manual_seed(3)
+    query, private = torch.randn(4, 6, 16, generator=g), torch.randn(2, 4, 2, 12, 16, generator=g)
+    a, b, c = (torch.randn(2, 2, length, 16, generator=g) for length in (37, 20, 70))
+    mask = private_mask(torch.tensor([5, 12, 3, 9]), 12, torch.float32)
+    alone = partition_attention(
+        query[:1], [SharedRun(*a, torch.tensor([0])), SharedRun(*c, torch.tensor([0]))], private[0, :1],
+        private[1, :1], mask[:1], 0.25,
+    )  # fmt: skip
+    runs = [SharedRun(*a, torch.arange(4)), SharedRun(*b, torch.tensor(others_read)), SharedRun(*c, torch.arange(4))]
+    runs = [run for run in runs if len(run.readers)]
+    batched = partition_attention(query, runs, private[0], private[1], mask, 0.25)
+    assert torch.equal(batched[0], alone[0])
 
 
 @pytest.mark.parametrize("gaps", [False, True])
