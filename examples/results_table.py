@@ -240,11 +240,13 @@ def serve_table(runs: list[Row]) -> str:
         median = {k: statistics.median(r[k] for r in runs) for k in keys}
         median["identical"] = all(r["identical"] for r in runs)
         lines.append("| " + " | ".join(cells("median", median)) + " |")
-    lines += ["", "| run | case | queries | keys | two-phase us | baseline | baseline us | speedup |", "|" + "---|" * 8]
+    head = "| run | caches | case | queries | keys | two-phase us | baseline | baseline us | speedup |"
+    lines += ["", head, "|" + "---|" * 9]
     for i, r in enumerate(runs, 1):
         for a in r["attention"]:
-            lines.append(f"| {i} | {a['case']} | {a['queries']} | {a['keys']:,} | {a['partition_us']:,.0f} | "
-                         f"{a['baseline']} | {a['baseline_us']:,.0f} | {a['speedup']:.2f}x |")  # fmt: skip
+            lines.append(f"| {i} | {a.get('caches', 'flushed')} | {a['case']} | {a['queries']} | {a['keys']:,} | "
+                         f"{a['partition_us']:,.0f} | {a['baseline']} | {a['baseline_us']:,.0f} | "
+                         f"{a['speedup']:.2f}x |")  # fmt: skip
     return "\n".join(lines)
 
 
