@@ -14,9 +14,9 @@ with no sharing, partition attention of one query against today's single-sequenc
 in two cache states, since on a CPU they rank the same code differently:
 
 - ``flushed``: every call follows a write of ``EVICT_BYTES``, so the data, and also the code and the torch and
-  Python state each operation touches, come from memory. This charges every separate torch operation a few tens
-  of microseconds that a real step does not pay, and so penalizes the two-phase step (some thirty operations)
-  against SDPA's one.
+  Python state each operation touches, come from memory. This charges every separate torch operation a cost
+  that a real step does not pay, and so penalizes the two-phase step (a score of small operations) against
+  SDPA's one.
 - ``decode-step``: as in a decode step, each call reads its own layer's tensors (one copy per layer of the
   model, taken in turn, too many for the caches) after that layer's weights were read; the code stays warm.
 
