@@ -40,7 +40,7 @@ from pc_rag.generate import collect
 from pc_rag.kv import kv_shape
 from pc_rag.pml.nodes import Import, Module, Prompt, Role, Schema, Text
 from pc_rag.sample import sample_questions
-from pc_rag.serving.partition_attention import SharedRun, partition_attention, private_mask
+from pc_rag.serving.partition_attention import SharedRun, attend_with_lse, partition_attention, private_mask
 from pc_rag.serving.scheduler import Scheduler
 
 SYSTEM = "You are a concise assistant. Answer the question from the passages."
@@ -163,7 +163,7 @@ def attention_benchmark(
         decode_step = _decode_step_medians_us(layers, weights, runs)
     keys = shared_tokens + private_tokens
     rows = []
-    for caches, (two_phase_us, sdpa_us, each_us, unshared_us, today_us) in (
+    for caches, (two_phase_us, sdpa_us, each_us, unshared_us, today_us, chunk_us, sequence_us) in (
         ("flushed", flushed), ("decode-step", decode_step)
     ):  # fmt: skip
         rows += [
@@ -171,6 +171,10 @@ def attention_benchmark(
                          sdpa_us / two_phase_us),
             AttentionRow(caches, "shared", concurrency, keys, two_phase_us, "decode-duplicated", each_us,
                          each_us / two_phase_us),
+            AttentionRow(caches, "chunk-first pass only", concurrency, shared_tokens, chunk_us, "sdpa-duplicated",
+                         sdpa_us, sdpa_us / chunk_us),
+            AttentionRow(caches, "sequence-first pass only", concurrency, private_tokens, sequence_us,
+                         "sdpa-duplicated", sdpa_us, sdpa_us / sequence_us),
             AttentionRow(caches, "unshared", 1, keys, unshared_us, "decode", today_us, today_us / unshared_us),
         ]  # fmt: skip
     return rows
@@ -179,9 +183,9 @@ def attention_benchmark(
 def _contenders(
     pc: PromptCache, g: torch.Generator, concurrency: int, shared_tokens: int, private_tokens: int
 ) -> list[Callable[[], None]]:
-    """One layer's random attention inputs and the five calls timed on them: two-phase and SDPA over duplicated
-    KV (shared), per-query decode over duplicated KV, and two-phase against today's decode for one query
-    (unshared)."""
+    """One layer's random attention inputs and the calls timed on them: two-phase and SDPA over duplicated KV
+    (shared), per-query decode over duplicated KV, two-phase against today's decode for one query (unshared), and
+    the two passes of the shared two-phase step each alone (what the step costs before its merge)."""
     _, kv_heads, dim = kv_shape(pc.lm.model)
     heads = pc.lm.model.config.get_text_config().num_attention_heads
     dtype = pc.lm.dtype
@@ -220,7 +224,16 @@ def _contenders(
     def unshared() -> None:
         partition_attention(query[:1], [], alone_k, alone_v, one_mask, scale)
 
-    return [two_phase, sdpa, decode_each, unshared, today]
+    grouped = query.view(concurrency, kv_heads, heads // kv_heads, dim)
+
+    def chunk_first() -> None:  # every row's queries as partition_attention lays them out (less its padding)
+        q = grouped.transpose(0, 1).reshape(1, kv_heads, -1, dim)
+        attend_with_lse(q, shared[0][None], shared[1][None], None, scale)
+
+    def sequence_first() -> None:
+        attend_with_lse(grouped, private[0], private[1], mask[:, None, None, :], scale)
+
+    return [two_phase, sdpa, decode_each, unshared, today, chunk_first, sequence_first]
 
 
 def _flushed_medians_us(contenders: list[Callable[[], None]], runs: int) -> list[float]:
