@@ -70,20 +70,28 @@ def partition_attention(
         return out.reshape(batch, heads, dim)
     outs, lses = [out], [lse]  # each part's output [n, H_kv, n_rep, D] and log-sum-exp over its n rows
     for run in runs:
-        n = run.readers.shape[0]
-        every_row = n == batch  # distinct rows in increasing order: all of them, in order
-        q = (grouped if every_row else grouped[run.readers]).transpose(0, 1).reshape(1, kv_heads, n * n_rep, dim)
-        pad = padded_rows(n * n_rep) - n * n_rep  # repeated queries, dropped after
-        if pad:
-            q = torch.cat([q, q[:, :, :1].expand(-1, -1, pad, -1)], 2)
-        mask = run.mask[None, None, None, :] if run.mask is not None else None
-        o, lse_run = attend_with_lse(q, run.keys[None], run.values[None], mask, scale)
-        if pad:
-            o, lse_run = o[:, :, : n * n_rep], lse_run[:, :, : n * n_rep]
-        outs.append(o[0].unflatten(1, (n, n_rep)).transpose(0, 1))
-        lses.append(lse_run[0].unflatten(1, (n, n_rep)).transpose(0, 1))
+        o, lse_run = chunk_first(grouped, run, scale)
+        outs.append(o)
+        lses.append(lse_run)
     merged = _merge(*_every_part_of_every_row(outs, lses, [run.readers for run in runs], batch))
     return merged.reshape(batch, heads, dim).to(query.dtype)
+
+
+def chunk_first(grouped: torch.Tensor, run: SharedRun, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The chunk-first pass over one shared run: the queries ``grouped`` [B, H_kv, n_rep, D] of its n readers in
+    one pass over its keys; their output [n, H_kv, n_rep, D] and log-sum-exp [n, H_kv, n_rep]."""
+    batch, kv_heads, n_rep, dim = grouped.shape
+    n = run.readers.shape[0]
+    every_row = n == batch  # distinct rows in increasing order: all of them, in order
+    q = (grouped if every_row else grouped[run.readers]).transpose(0, 1).reshape(1, kv_heads, n * n_rep, dim)
+    pad = padded_rows(n * n_rep) - n * n_rep  # repeated queries, dropped after
+    if pad:
+        q = torch.cat([q, q[:, :, :1].expand(-1, -1, pad, -1)], 2)
+    mask = run.mask[None, None, None, :] if run.mask is not None else None
+    out, lse = attend_with_lse(q, run.keys[None], run.values[None], mask, scale)
+    if pad:
+        out, lse = out[:, :, : n * n_rep], lse[:, :, : n * n_rep]
+    return out[0].unflatten(1, (n, n_rep)).transpose(0, 1), lse[0].unflatten(1, (n, n_rep)).transpose(0, 1)
 
 
 def _every_part_of_every_row(
