@@ -15,7 +15,7 @@ from pc_rag.modules.keys import Encoding
 from pc_rag.modules.open_store import open_module_store
 from pc_rag.store.kvstore import KVStore
 from pc_rag.store.manifest import Manifest, StoreIdentity
-from pc_rag.store.module_kv import ModuleKV, Recompute
+from pc_rag.store.module_kv import ModuleKV
 
 ChunkKV = KVStore | ModuleKV
 
@@ -41,7 +41,6 @@ def open_chunk_kv(
     lru_bytes: int,
     codec: CacheGenCodec | None,
     modules: str | ModuleStore | None = None,
-    recompute: Recompute | None = None,
 ) -> ChunkKV:
     """The chunk KV of the store ``manifest`` describes: its shards, or the module store it names (``modules``
     overrides the address it was built with, e.g. the same Redis seen from another machine)."""
@@ -56,5 +55,4 @@ def open_chunk_kv(
     return ModuleKV(
         backend, manifest, manifest.identity.model_fingerprint, module_encoding(manifest.identity, storage),
         dtype=storage, compute_dtype=compute_dtype, codec=codec, levels=manifest.codec_levels, lru_bytes=lru_bytes,
-        recompute=recompute,
     )  # fmt: skip
