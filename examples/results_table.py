@@ -225,7 +225,6 @@ def serve_table(runs: list[Row]) -> str:
     """Markdown: one row per `pc-rag bench serve` run and the median of the runs; then the attention step."""
     head = ["run", "together tokens/s", "one at a time tokens/s", "speedup", "identical to alone",
             "shared KV MiB", "duplicated MiB", "KV saved"]  # fmt: skip
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
 
     def cells(name: str, r: Row) -> list[str]:
         saved = 1 - r["shared_kv_bytes"] / r["duplicated_kv_bytes"]
@@ -233,21 +232,17 @@ def serve_table(runs: list[Row]) -> str:
                 str(r["identical"]).lower(), f"{r['shared_kv_bytes'] / 2**20:.1f}",
                 f"{r['duplicated_kv_bytes'] / 2**20:.1f}", f"{saved:.0%}"]  # fmt: skip
 
-    for i, r in enumerate(runs, 1):
-        lines.append("| " + " | ".join(cells(str(i), r)) + " |")
+    rows = [cells(str(i), r) for i, r in enumerate(runs, 1)]
     if len(runs) > 1:
         keys = ["tokens_per_s", "single_tokens_per_s", "speedup", "shared_kv_bytes", "duplicated_kv_bytes"]
         median = {k: statistics.median(r[k] for r in runs) for k in keys}
         median["identical"] = all(r["identical"] for r in runs)
-        lines.append("| " + " | ".join(cells("median", median)) + " |")
-    head = "| run | caches | case | queries | keys | two-phase us | baseline | baseline us | speedup |"
-    lines += ["", head, "|" + "---|" * 9]
-    for i, r in enumerate(runs, 1):
-        for a in r["attention"]:
-            lines.append(f"| {i} | {a.get('caches', 'flushed')} | {a['case']} | {a['queries']} | {a['keys']:,} | "
-                         f"{a['partition_us']:,.0f} | {a['baseline']} | {a['baseline_us']:,.0f} | "
-                         f"{a['speedup']:.2f}x |")  # fmt: skip
-    return "\n".join(lines)
+        rows.append(cells("median", median))
+    attention_head = ["run", "caches", "case", "queries", "keys", "two-phase us", "baseline", "baseline us", "speedup"]
+    attention = [[str(i), a.get("caches", "flushed"), a["case"], str(a["queries"]), f"{a['keys']:,}",
+                  f"{a['partition_us']:,.0f}", a["baseline"], f"{a['baseline_us']:,.0f}", f"{a['speedup']:.2f}x"]
+                 for i, r in enumerate(runs, 1) for a in r["attention"]]  # fmt: skip
+    return markdown(head, rows) + "\n\n" + markdown(attention_head, attention)
 
 
 def markdown(head: list[str], rows: list[list[str]]) -> str:
