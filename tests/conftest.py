@@ -125,9 +125,8 @@ def redis_server(tmp_path_factory):
     """A real ``redis-server`` on a free loopback port, one per test module (the scale-out tests)."""
     from pc_rag.scaleout.local_redis import RedisServer
 
-    started = RedisServer(tmp_path_factory.mktemp("redis")).start()
-    yield started
-    started.stop()
+    with RedisServer(tmp_path_factory.mktemp("redis")) as started:
+        yield started
 
 
 @pytest.fixture

@@ -83,8 +83,7 @@ def test_another_process_answers_from_the_modules_without_encoding(tmp_path, eng
 
 
 def test_redis_stopped_mid_query_is_a_clear_error_or_a_recompute(tmp_path, engine, tmp_path_factory) -> None:
-    own = RedisServer(tmp_path_factory.mktemp("own-redis")).start()
-    try:
+    with RedisServer(tmp_path_factory.mktemp("own-redis")) as own:
         build(tmp_path / "store", engine, modules=own.url).close()
         with DocumentStore.load(tmp_path / "store", engine, embedder=embedder()) as store:
             exact = kv_of(store)
@@ -106,14 +105,11 @@ def test_redis_stopped_mid_query_is_a_clear_error_or_a_recompute(tmp_path, engin
         with DocumentStore.load(tmp_path / "store", engine, embedder=embedder(), recompute_missing=True) as store:
             for a, b in zip(exact, kv_of(store), strict=True):
                 torch.testing.assert_close(a, b, rtol=0, atol=0)
-    finally:
-        own.stop()
 
 
 def test_redis_out_of_memory_is_a_clear_error_and_leaves_the_store(tmp_path, engine, tmp_path_factory) -> None:
-    full = RedisServer(tmp_path_factory.mktemp("full-redis"), "--maxmemory", "1mb", "--maxmemory-policy", "noeviction")
-    full.start()
-    try:
+    limits = ("--maxmemory", "1mb", "--maxmemory-policy", "noeviction")
+    with RedisServer(tmp_path_factory.mktemp("full-redis"), *limits) as full:
         store = DocumentStore.create(tmp_path / "store", engine, embedder=embedder(), chunk_tokens=24,
                                      overlap_tokens=4, modules=full.url)  # fmt: skip
         with store:
@@ -124,5 +120,3 @@ def test_redis_out_of_memory_is_a_clear_error_and_leaves_the_store(tmp_path, eng
                 store.add_documents(many, progress=False)
             assert ((tmp_path / "store" / "manifest.json").read_bytes(), bytes_on_disk(tmp_path / "store")) == before
             assert sorted(store.manifest.docs) == ["eiffel"] and len(kv_of(store)) == len(store)
-    finally:
-        full.stop()
