@@ -13,8 +13,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from pc_rag.engine import PromptCache
 from pc_rag.errors import PCRagError
-from pc_rag.serving.prompt_server import PromptServer
-from pc_rag.serving.scheduler import Scheduler
+from pc_rag.runtime.scheduler import Scheduler
+from pc_rag.server.prompt_server import PromptServer
 from pc_rag.store.document_store import DocumentStore
 
 # LangChain's generation setting -> pc-rag's SamplingParams field

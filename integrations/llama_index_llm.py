@@ -39,7 +39,7 @@ except ImportError as e:  # pragma: no cover - depends on the environment
 from pc_rag.engine import PromptCache
 from pc_rag.errors import PCRagError
 from pc_rag.generate import GenerationResult, GenerationStats, ReplyStream
-from pc_rag.serving.prompt_server import SAMPLING_FIELDS, PromptServer
+from pc_rag.server.prompt_server import SAMPLING_FIELDS, PromptServer
 from pc_rag.store.document_store import DocumentStore
 
 __all__ = ["PromptCacheLLM"]

@@ -26,9 +26,9 @@ _EXPORTS = {
     "RagEngine": "pc_rag.rag.engine",
     "RagPrompt": "pc_rag.rag.prompt",
     "DocumentStore": "pc_rag.store.document_store",
-    "Answer": "pc_rag.serving.prompt_server",
-    "PromptServer": "pc_rag.serving.prompt_server",
-    "Scheduler": "pc_rag.serving.scheduler",
+    "Answer": "pc_rag.server.prompt_server",
+    "PromptServer": "pc_rag.server.prompt_server",
+    "Scheduler": "pc_rag.runtime.scheduler",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -13,8 +13,8 @@ from collections.abc import Iterator, Sequence
 from pc_rag.generate import GenerationResult, SamplingParams
 from pc_rag.kv import BufferPool, SpanKV
 from pc_rag.model import LoadedModel
-from pc_rag.serving.executor import execute
-from pc_rag.serving.request import Part, Request
+from pc_rag.runtime.executor import execute
+from pc_rag.runtime.request import Part, Request
 
 
 def full_request(ids: Sequence[int], params: SamplingParams, prefix: SpanKV | None = None) -> Request:

@@ -36,9 +36,9 @@ from pc_rag.plan import ServePlan, plan_prompt
 from pc_rag.pml.nodes import Prompt, Role, Schema
 from pc_rag.pml.parser import parse_prompt, parse_schema
 from pc_rag.pml.validate import validate_prompt
-from pc_rag.serving.executor import check_length, execute
-from pc_rag.serving.request import Part, Request
-from pc_rag.serving.shared_pool import SegmentKey
+from pc_rag.runtime.executor import check_length, execute
+from pc_rag.runtime.request import Part, Request
+from pc_rag.runtime.shared_pool import SegmentKey
 
 logger = logging.getLogger(__name__)
 

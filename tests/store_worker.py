@@ -24,7 +24,7 @@ from conftest import tiny_model, tiny_tokenizer
 from test_document_store import embedder
 
 from pc_rag.rag import RagEngine, RagPrompt
-from pc_rag.serving.prompt_server import PromptServer
+from pc_rag.server.prompt_server import PromptServer
 from pc_rag.store.document_store import DocumentStore
 from pc_rag.store.index import VectorIndex
 from pc_rag.store.kvstore import KVStore

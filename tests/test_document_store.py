@@ -12,7 +12,7 @@ from conftest import tiny_model
 from pc_rag.errors import PCRagError, StoreCorruptedError, StoreError, StoreMismatchError
 from pc_rag.rag import RagEngine, RagPrompt
 from pc_rag.rag.markers import module_ref, split_module_prompt
-from pc_rag.serving.prompt_server import PromptServer
+from pc_rag.server.prompt_server import PromptServer
 from pc_rag.store import as_embedder
 from pc_rag.store.document_store import DocumentStore, module_text
 

@@ -12,7 +12,7 @@ from pc_rag.codec import CacheGenCodec, fit_tables
 from pc_rag.errors import StoreCorruptedError, StoreError
 from pc_rag.rag import RagEngine, RagPrompt
 from pc_rag.rag.tuned import codec_tables_file
-from pc_rag.serving.prompt_server import PromptServer
+from pc_rag.server.prompt_server import PromptServer
 from pc_rag.store.document_store import DocumentStore
 from pc_rag.store.files import unlisted
 

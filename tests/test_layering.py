@@ -25,10 +25,25 @@ print("\\n".join(m for m in sys.modules if m.startswith("pc_rag")))
 @pytest.mark.parametrize(
     ("layer", "forbidden"),
     [
-        ("pc_rag.store", ("pc_rag.serving", "pc_rag.engine", "pc_rag.rag.engine", "pc_rag.generate")),
-        ("pc_rag.serving", ("pc_rag.bench", "pc_rag.cli", "pc_rag.eval", "pc_rag.integrations")),
-        ("pc_rag.engine", ("pc_rag.bench", "pc_rag.cli", "pc_rag.store", "pc_rag.serving.prompt_server")),
-        ("pc_rag.rag.engine", ("pc_rag.bench", "pc_rag.cli", "pc_rag.store", "pc_rag.serving.prompt_server")),
+        ("pc_rag.store", ("pc_rag.runtime", "pc_rag.server", "pc_rag.engine", "pc_rag.rag.engine", "pc_rag.generate")),
+        # the runtime sits below the engines: no package cycle engine-runtime, baseline-runtime or rag-runtime
+        (
+            "pc_rag.runtime",
+            (
+                "pc_rag.engine",
+                "pc_rag.baseline",
+                "pc_rag.rag",
+                "pc_rag.store",
+                "pc_rag.server",
+                "pc_rag.bench",
+                "pc_rag.cli",
+                "pc_rag.eval",
+                "pc_rag.integrations",
+            ),
+        ),
+        ("pc_rag.server", ("pc_rag.bench", "pc_rag.cli", "pc_rag.eval", "pc_rag.integrations")),
+        ("pc_rag.engine", ("pc_rag.bench", "pc_rag.cli", "pc_rag.store", "pc_rag.server")),
+        ("pc_rag.rag.engine", ("pc_rag.bench", "pc_rag.cli", "pc_rag.store", "pc_rag.server")),
     ],
 )
 def test_a_layer_does_not_load_the_layers_above_it(layer: str, forbidden: tuple[str, ...]) -> None:

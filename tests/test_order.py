@@ -10,7 +10,7 @@ from test_document_store import make_store
 from pc_rag.errors import PCRagError
 from pc_rag.rag import RagEngine, RagPrompt
 from pc_rag.rag.order import ORDERS, reorder
-from pc_rag.serving.prompt_server import PromptServer
+from pc_rag.server.prompt_server import PromptServer
 
 QUESTION = "Which mountain is the highest of Japan?"
 

@@ -8,7 +8,7 @@ from conftest import tiny_model
 from pc_rag.engine import PromptCache
 from pc_rag.errors import PCRagError
 from pc_rag.rag.markers import module_ref
-from pc_rag.serving.prompt_server import PromptServer
+from pc_rag.server.prompt_server import PromptServer
 
 SCHEMA = '<schema name="s"><module name="doc">The sky is blue.</module></schema>'
 

@@ -93,7 +93,7 @@ def test_blend_recomputes_the_largest_products_of_attention_and_deviation(engine
             return seen[_name]
 
         monkeypatch.setattr(engine_module, name, spy)
-    from pc_rag.serving import executor
+    from pc_rag.runtime import executor
 
     chosen = []
     real_recompute = executor.recompute_and_prefill

@@ -17,7 +17,7 @@ from store_worker import document, engine, open_store
 from test_document_store import embedder
 
 from pc_rag.errors import StoreLockedError
-from pc_rag.serving.prompt_server import PromptServer
+from pc_rag.server.prompt_server import PromptServer
 from pc_rag.store.document_store import DocumentStore
 
 WORKER = Path(__file__).parent / "store_worker.py"

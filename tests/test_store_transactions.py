@@ -14,7 +14,7 @@ from test_document_store import DOCS, embedder, make_store
 
 from pc_rag.errors import StoreCorruptedError, StoreError, StoreLockedError
 from pc_rag.rag import RagEngine, RagPrompt
-from pc_rag.serving.prompt_server import PromptServer
+from pc_rag.server.prompt_server import PromptServer
 from pc_rag.store.document_store import DocumentStore
 from pc_rag.store.files import LEGACY_INDEX_NAME
 from pc_rag.store.manifest import FORMAT_VERSION

@@ -15,7 +15,7 @@ from pc_rag.engine import PromptCache
 from pc_rag.errors import ModelLoadError, StoreMismatchError
 from pc_rag.model import LoadedModel, load_model
 from pc_rag.rag import RagEngine, RagPrompt
-from pc_rag.serving.prompt_server import PromptServer
+from pc_rag.server.prompt_server import PromptServer
 from pc_rag.store.document_store import DocumentStore
 from pc_rag.weights import (
     COMPUTE_DTYPES,

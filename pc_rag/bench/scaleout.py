@@ -27,7 +27,7 @@ from pc_rag.model import LoadedModel, load_model
 from pc_rag.rag import RagEngine, RagPrompt
 from pc_rag.scaleout import EncoderSpec, RayChunkWorkers
 from pc_rag.scaleout.local_redis import RedisServer
-from pc_rag.serving.prompt_server import PromptServer
+from pc_rag.server.prompt_server import PromptServer
 from pc_rag.store.document_store import DocumentStore
 from pc_rag.store.embeddings import SentenceTransformerEmbedder
 

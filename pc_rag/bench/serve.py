@@ -39,15 +39,15 @@ from pc_rag.engine import PromptCache
 from pc_rag.generate import collect
 from pc_rag.kv import kv_shape
 from pc_rag.pml.nodes import Import, Module, Prompt, Role, Schema, Text
-from pc_rag.sample import sample_questions
-from pc_rag.serving.partition_attention import (
+from pc_rag.runtime.partition_attention import (
     SharedRun,
     attend_with_lse,
     chunk_first,
     partition_attention,
     private_mask,
 )
-from pc_rag.serving.scheduler import Scheduler
+from pc_rag.runtime.scheduler import Scheduler
+from pc_rag.sample import sample_questions
 
 SYSTEM = "You are a concise assistant. Answer the question from the passages."
 EVICT_BYTES = 128 << 20  # written before each timed attention call: several times a server CPU's last-level cache

@@ -15,7 +15,7 @@ from pathlib import Path
 from pc_rag.errors import PCRagError, StoreError
 from pc_rag.model import LoadedModel
 from pc_rag.rag import RagEngine, RagPrompt
-from pc_rag.serving.prompt_server import PromptServer
+from pc_rag.server.prompt_server import PromptServer
 from pc_rag.store.codec_setup import parse_codec
 from pc_rag.store.document_store import DocumentStore
 from pc_rag.store.files import bytes_on_disk, check_store_directory
@@ -180,8 +180,8 @@ def serve(lm: LoadedModel, store_dir: Path, *, host: str, port: int, mode: str |
     except ImportError as e:
         msg = "`pc-rag serve` needs FastAPI and uvicorn: pip install 'pc-rag[serve]'"
         raise PCRagError(msg) from e
-    from pc_rag.serving.http import create_app
-    from pc_rag.serving.scheduler import Scheduler
+    from pc_rag.runtime.scheduler import Scheduler
+    from pc_rag.server.http import create_app
 
     store = DocumentStore.load(store_dir, engine_for(lm), **module_options)
     scheduler = Scheduler(lm, max_batch=max_batch, queue_limit=queue_limit)

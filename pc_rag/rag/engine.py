@@ -43,9 +43,9 @@ from pc_rag.rag.query_layout import Piece, QueryLayout, layout_query
 from pc_rag.rag.query_select import query_indices, question_attention
 from pc_rag.rag.select import deviation_indices, edge_indices, kv_deviation
 from pc_rag.rag.tuned import Tuned
-from pc_rag.serving.executor import execute
-from pc_rag.serving.request import Part, Refresh, Request
-from pc_rag.serving.shared_pool import SegmentKey
+from pc_rag.runtime.executor import execute
+from pc_rag.runtime.request import Part, Refresh, Request
+from pc_rag.runtime.shared_pool import SegmentKey
 
 ENCODE_BATCH = 8
 

@@ -3,7 +3,7 @@
 Adding documents splits them into token chunks, encodes each chunk's KV once
 (in batches, at the engine's canonical position), embeds it and indexes it.
 Retrieval returns ``ModuleHandle``s, not text, and ``chunks`` hands their KV to
-whoever answers (``pc_rag.serving.PromptServer``): the store only stores. On disk
+whoever answers (``pc_rag.server.PromptServer``): the store only stores. On disk
 a store is ``manifest.json`` (the commit point, written last), ``kv/*.safetensors``
 shards and one index file per commit (``files``). This module knows nothing about
 attention, recovery or serving.

@@ -24,7 +24,7 @@ from pc_rag.integrations.langchain import (
 from pc_rag.rag import RagEngine, RagPrompt
 from pc_rag.rag.markers import module_ref, split_module_prompt
 from pc_rag.rag.order import DEFAULT_ORDER, ORDERS
-from pc_rag.serving.prompt_server import PromptServer
+from pc_rag.server.prompt_server import PromptServer
 from pc_rag.store import as_embedder
 from pc_rag.store.document_store import DocumentStore
 

@@ -17,8 +17,8 @@ from langchain_tests.unit_tests import ChatModelUnitTests
 
 from pc_rag.integrations.langchain import ChatPromptCache, PromptCacheVectorStore, PromptModuleRetriever
 from pc_rag.rag import RagEngine, RagPrompt
-from pc_rag.serving.prompt_server import PromptServer
-from pc_rag.serving.scheduler import Scheduler
+from pc_rag.runtime.scheduler import Scheduler
+from pc_rag.server.prompt_server import PromptServer
 from pc_rag.store.document_store import DocumentStore
 
 # The suites mix sync and async tests and pytest-asyncio runs in strict mode: mark all, and silence its

@@ -31,7 +31,7 @@ from pc_rag.integrations.llama_index_query import STATS_KEY
 from pc_rag.rag import RagEngine, RagPrompt
 from pc_rag.rag.order import ORDERS
 from pc_rag.retrievers.llama_index import HANDLE_KEYS, node_handle
-from pc_rag.serving.prompt_server import PromptServer
+from pc_rag.server.prompt_server import PromptServer
 from pc_rag.store import as_embedder
 from pc_rag.store.document_store import DocumentStore
 

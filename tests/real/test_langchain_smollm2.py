@@ -9,7 +9,7 @@ from pc_rag.integrations.langchain import PromptCacheLLM, PromptModuleRetriever,
 from pc_rag.model import LoadedModel
 from pc_rag.rag import RagEngine, RagPrompt
 from pc_rag.sample import sample_questions
-from pc_rag.serving.prompt_server import PromptServer
+from pc_rag.server.prompt_server import PromptServer
 from pc_rag.store.document_store import DocumentStore
 
 pytestmark = pytest.mark.real_model

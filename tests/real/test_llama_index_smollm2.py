@@ -16,7 +16,7 @@ from pc_rag.integrations.llama_index import PromptCacheQueryEngine
 from pc_rag.integrations.llama_index_query import STATS_KEY
 from pc_rag.model import LoadedModel
 from pc_rag.sample import sample_questions
-from pc_rag.serving.prompt_server import PromptServer
+from pc_rag.server.prompt_server import PromptServer
 from pc_rag.store.document_store import DocumentStore
 
 pytestmark = pytest.mark.real_model

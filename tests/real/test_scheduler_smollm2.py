@@ -9,7 +9,7 @@ import pytest
 from pc_rag.engine import PromptCache
 from pc_rag.generate import collect
 from pc_rag.model import LoadedModel
-from pc_rag.serving.scheduler import Scheduler
+from pc_rag.runtime.scheduler import Scheduler
 
 pytestmark = pytest.mark.real_model
 

@@ -15,7 +15,7 @@ from conftest import tiny_model, tiny_tokenizer
 from test_document_store import embedder
 
 from pc_rag.rag import RagEngine, RagPrompt
-from pc_rag.serving.prompt_server import PromptServer
+from pc_rag.server.prompt_server import PromptServer
 from pc_rag.store.document_store import DocumentStore
 
 encoded: list[int] = []

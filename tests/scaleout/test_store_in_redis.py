@@ -16,7 +16,7 @@ from test_document_store import DOCS, embedder
 from pc_rag.errors import ModuleStoreError, ModuleStoreFullError, ModuleStoreUnavailableError, StoreCorruptedError
 from pc_rag.rag import RagEngine, RagPrompt
 from pc_rag.scaleout.local_redis import RedisServer
-from pc_rag.serving.prompt_server import PromptServer
+from pc_rag.server.prompt_server import PromptServer
 from pc_rag.store.document_store import DocumentStore
 from pc_rag.store.files import bytes_on_disk
 

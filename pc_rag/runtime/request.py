@@ -16,7 +16,7 @@ from typing import Protocol
 from pc_rag.generate import SamplingParams, Stopwatch
 from pc_rag.kv import KVBuffer, SpanKV
 from pc_rag.model_call import PLAIN, ModelCall
-from pc_rag.serving.shared_pool import SegmentKey
+from pc_rag.runtime.shared_pool import SegmentKey
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ from conftest import TINY_CONFIGS, tiny_model
 
 from pc_rag.assemble import forward_new_tokens
 from pc_rag.kv import allocate
-from pc_rag.serving.batch_prefill import BatchPrefill, PrefillJob
+from pc_rag.runtime.batch_prefill import BatchPrefill, PrefillJob
 
 DESCRIBED = ["llama", "llama3-scaled", "mistral", "qwen2", "qwen3"]
 SIZES = [(40, 7), (90, 12), (3, 5), (0, 9)]  # (cached entries, new tokens); the last prefills from nothing

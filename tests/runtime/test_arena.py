@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from pc_rag.serving.arena import CAPACITY_STEP, PrivateArena
+from pc_rag.runtime.arena import CAPACITY_STEP, PrivateArena
 
 
 def _rows(n: int, length: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -9,9 +9,9 @@ from test_weights import tiny_in
 from transformers.cache_utils import DynamicCache
 
 from pc_rag.kv import SpanKV, kv_shape
-from pc_rag.serving.arena import PrivateArena
-from pc_rag.serving.batch_step import BatchDecodeStep, SharedRead
-from pc_rag.serving.shared_pool import SegmentKey, SharedKVPool
+from pc_rag.runtime.arena import PrivateArena
+from pc_rag.runtime.batch_step import BatchDecodeStep, SharedRead
+from pc_rag.runtime.shared_pool import SegmentKey, SharedKVPool
 
 DESCRIBED = ["llama", "llama3-scaled", "mistral", "qwen2", "qwen3"]
 TOLERANCE = {"float32": 1e-5, "bfloat16": 5e-2, "int8": 5e-2, "int4": 5e-2}

@@ -18,9 +18,9 @@ from test_document_store import make_store
 
 from pc_rag.engine import PromptCache
 from pc_rag.rag import RagEngine, RagPrompt
-from pc_rag.serving.http import create_app
-from pc_rag.serving.prompt_server import PromptServer
-from pc_rag.serving.scheduler import Scheduler
+from pc_rag.runtime.scheduler import Scheduler
+from pc_rag.server.http import create_app
+from pc_rag.server.prompt_server import PromptServer
 
 QUESTION = "Where does the Danube end?"
 

@@ -11,8 +11,8 @@ from pc_rag.engine import PromptCache
 from pc_rag.errors import ContextLengthError, PCRagError, ServerBusyError
 from pc_rag.generate import collect
 from pc_rag.rag import RagEngine, RagPrompt
-from pc_rag.serving.scheduler import Scheduler, _Entry
-from pc_rag.serving.shared_pool import CHUNK_TOKENS
+from pc_rag.runtime.scheduler import Scheduler, _Entry
+from pc_rag.runtime.shared_pool import CHUNK_TOKENS
 
 SCHEMA = """<schema name="s"><system>You answer questions about cities and rivers.</system>
 <module name="facts">Paris lies on the Seine. The Danube ends in the Black Sea. Fuji is a volcano in Japan.</module>

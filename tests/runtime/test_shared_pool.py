@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from pc_rag.errors import KVPoolFullError
 from pc_rag.kv import SpanKV
-from pc_rag.serving.shared_pool import CHUNK_TOKENS, SegmentKey, SharedKVPool
+from pc_rag.runtime.shared_pool import CHUNK_TOKENS, SegmentKey, SharedKVPool
 
 LAYERS, HEADS, DIM = 2, 3, 8
 

@@ -23,7 +23,7 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 from pc_rag.attention import FLASH_CPU, attend_after_cache
 from pc_rag.decode_step import built_once, rms_norm
 from pc_rag.kv import KVBuffer
-from pc_rag.serving.partition_attention import padded_rows
+from pc_rag.runtime.partition_attention import padded_rows
 
 
 @dataclass(frozen=True)

@@ -17,9 +17,9 @@ from typing import Any
 
 from pc_rag.errors import ModuleStoreError, PCRagError, ServerBusyError
 from pc_rag.generate import GenerationResult, ReplyStream, collect
-from pc_rag.serving.openai_api import ChatBody, CompletionBody, RagBody, Reply, error_body
-from pc_rag.serving.prompt_server import PromptServer
-from pc_rag.serving.request import Request
+from pc_rag.runtime.request import Request
+from pc_rag.server.openai_api import ChatBody, CompletionBody, RagBody, Reply, error_body
+from pc_rag.server.prompt_server import PromptServer
 
 DEFAULT_MAX_TOKENS = 64
 

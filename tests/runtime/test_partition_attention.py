@@ -10,9 +10,9 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pc_rag.serving.partition_attention import SharedRun, partition_attention, private_mask
+from pc_rag.runtime.partition_attention import SharedRun, partition_attention, private_mask
 
-module = importlib.import_module("pc_rag.serving.partition_attention")
+module = importlib.import_module("pc_rag.runtime.partition_attention")
 
 
 def _visible(run: SharedRun) -> torch.Tensor:

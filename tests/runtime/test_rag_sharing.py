@@ -9,9 +9,9 @@ import pytest
 from conftest import tiny_model
 
 from pc_rag.rag import RagEngine, RagPrompt
-from pc_rag.serving.prompt_server import PromptServer
-from pc_rag.serving.scheduler import Scheduler, _Entry
-from pc_rag.serving.shared_pool import CHUNK_TOKENS
+from pc_rag.runtime.scheduler import Scheduler, _Entry
+from pc_rag.runtime.shared_pool import CHUNK_TOKENS
+from pc_rag.server.prompt_server import PromptServer
 from pc_rag.store import as_embedder
 from pc_rag.store.document_store import DocumentStore
 

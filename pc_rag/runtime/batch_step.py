@@ -18,9 +18,9 @@ from transformers import PreTrainedModel
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from pc_rag.decode_step import FusedLayer, built_once, rms_norm
-from pc_rag.serving.arena import CAPACITY_STEP, PrivateArena
-from pc_rag.serving.partition_attention import SharedRun, padded_rows, partition_attention, private_mask
-from pc_rag.serving.shared_pool import Segment, SharedKVPool
+from pc_rag.runtime.arena import CAPACITY_STEP, PrivateArena
+from pc_rag.runtime.partition_attention import SharedRun, padded_rows, partition_attention, private_mask
+from pc_rag.runtime.shared_pool import Segment, SharedKVPool
 from pc_rag.weights import KERNEL_ROWS
 
 

@@ -21,7 +21,7 @@ from pc_rag.kv import BufferPool, KVBuffer
 from pc_rag.model import LoadedModel
 from pc_rag.model_call import ModelCall
 from pc_rag.recompute import recompute_and_prefill
-from pc_rag.serving.request import Request
+from pc_rag.runtime.request import Request
 
 
 @dataclass

@@ -25,8 +25,8 @@ from pc_rag.rag.engine import RagEngine
 from pc_rag.rag.markers import split_module_prompt
 from pc_rag.rag.order import DEFAULT_ORDER
 from pc_rag.rag.prompt import RagPrompt
-from pc_rag.serving.request import Request
-from pc_rag.serving.scheduler import Scheduler
+from pc_rag.runtime.request import Request
+from pc_rag.runtime.scheduler import Scheduler
 from pc_rag.store.document_store import DocumentStore
 from pc_rag.store.handles import ModuleHandle
 
