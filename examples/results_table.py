@@ -11,10 +11,14 @@ and speed per level; given `pc-rag bench link --json` files, cold TTFT per stora
 `pc-rag bench serve --json` files, throughput, identity and KV held per run, their median, and the attention step;
 given `pc-rag bench scaleout --json` runs, encoding throughput and TTFT from Redis against local per run;
 given `examples/load_test.py --json` files, requests, failures and latency per run; given `pc-rag store recode
---json` files, the store's size before and after, bytes per token and encode speed).
+--json` files, the store's size before and after, bytes per token and encode speed; given `pc-rag bench ttft --json`
+files, full-prefill and cached TTFT, the floor and the speedup per context length). ``--summary`` prints only the
+first table of a kind that has two (bench serve, bench scaleout).
 Otherwise prints a Markdown table with one row per (dataset, mode) of the chosen datasets: F1 and its change
 against full prefill with the paired bootstrap interval, answer identity, first-token agreement and KL,
-the teacher-forced KL and agreement over 8 tokens, TTFT median and the speedup over full prefill.
+the teacher-forced KL and agreement over 8 tokens, TTFT median and the speedup over full prefill
+(``--sizes`` a `pc-rag bench codec --json` file: the ``bytes`` column gives each ``MODE@cachegen:N`` row that
+level's bytes per token).
 """
 
 from __future__ import annotations
@@ -57,6 +61,7 @@ COLUMNS: dict[str, tuple[str, Callable[[Row], str]]] = {
     "ttft": ("TTFT p50", lambda r: f"{r['ttft_ms_median']:,.0f} ms"),
     "speedup": ("speedup", lambda r: "" if r.get("speedup") is None else f"{r['speedup']:.1f}x"),
     "recall": ("recall@k", _number("retrieval_recall", 3)),
+    "bytes": ("B/token", _number("bytes_per_token", 0)),
     "codec_kl": ("KL(uncompressed‖compressed)", _number("codec_kl", 4)),
     "codec_agr": ("first token = uncompressed", _share("codec_agreement")),
     "codec_df1": (
@@ -291,7 +296,23 @@ def scaleout_table(runs: list[Row]) -> str:
     return markdown(head, encode) + "\n\n" + markdown(head2, rows)
 
 
+def ttft_table(rows: list[Row]) -> str:
+    """Markdown: one row per context length of `pc-rag bench ttft`: full-prefill and cached TTFT, the floor (the
+    question's forward alone on a spliced cache), the speedup and cached TTFT over the floor."""
+    head = ["context tokens", "full prefill", "cached", "floor", "speedup", "cached / floor"]
+    return markdown(head, [[f"{r['context_tokens']:,}", f"{r['full_ttft_ms']:,.0f} ms",
+                            f"{r['cached_ttft_ms']:,.1f} ms", f"{r['floor_ms']:,.1f} ms", f"{r['speedup']:.1f}x",
+                            f"{r['cached_ttft_ms'] / r['floor_ms']:.2f}x"] for r in rows])  # fmt: skip
+
+
+def with_sizes(rows: list[Row], sizes: list[Row]) -> list[Row]:
+    """``rows`` of an eval whose ``MODE@CODEC`` rows get ``bytes_per_token`` from a `pc-rag bench codec` file."""
+    per_codec = {r["codec"]: r["bytes_per_token"] for r in sizes}
+    return [{**r, "bytes_per_token": per_codec.get(r["mode"].partition("@")[2])} for r in rows]
+
+
 BENCH_TABLES: dict[str, Callable[[list[Row]], str]] = {  # else: bench peers
+    "floor_ms": ttft_table,
     "path": encode_table,
     "disk_bytes_per_token": memory_table,
     "rans_bytes_per_token": codec_table,
@@ -299,36 +320,38 @@ BENCH_TABLES: dict[str, Callable[[list[Row]], str]] = {  # else: bench peers
 }
 
 
+def render(loaded: list[Any], args: argparse.Namespace) -> str:
+    """The Markdown of ``loaded`` JSON files, by the kind their keys say they are."""
+    if all(isinstance(d, list) and d for d in loaded):  # bench rows, told apart by a key only their kind has
+        rows = [row for d in loaded for row in d]
+        return next((r for key, r in BENCH_TABLES.items() if all(key in d[0] for d in loaded)), peers_table)(rows)
+    if all(isinstance(d, dict) and "concurrency" in d for d in loaded):  # bench serve runs
+        return serve_table(loaded)
+    if all(isinstance(d, dict) and "ratios" in d for d in loaded):  # bench scaleout runs
+        return scaleout_table(loaded)
+    if all(isinstance(d, dict) and "bytes_before" in d for d in loaded):  # store recode runs
+        return recode_table(loaded)
+    if all(isinstance(d, dict) and "clients" in d for d in loaded):  # load test runs
+        return load_table(loaded)
+    if all(isinstance(d, dict) and d.get("rows") for d in loaded):  # script rows: codec_allocation or oracle sweep
+        rows = [row for d in loaded for row in d["rows"]]
+        return allocation_table(rows) if all("allocation" in d["rows"][0] for d in loaded) else oracle_table(rows)
+    rows = [row for d in loaded for row in d["results"]]
+    if args.sizes is not None:
+        rows = with_sizes(rows, json.loads(args.sizes.read_text(encoding="utf-8")))
+    return table(rows, args.dataset, [c.strip() for c in args.columns.split(",")])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("json", type=Path, nargs="+", help="`pc-rag eval --json` files (their rows are joined)")
     parser.add_argument("--dataset", action="append", default=None, help="only these datasets (repeatable)")
     parser.add_argument("--columns", default=DEFAULT, help=f"comma-separated, of {', '.join(COLUMNS)}")
+    parser.add_argument("--sizes", type=Path, default=None, help="a `pc-rag bench codec --json` file (for `bytes`)")
+    parser.add_argument("--summary", action="store_true", help="only the first table of a two-table kind")
     args = parser.parse_args()
-    loaded = [json.loads(path.read_text(encoding="utf-8")) for path in args.json]
-    if all(isinstance(d, list) and d for d in loaded):  # bench rows, told apart by a key only their kind has
-        rows = [row for d in loaded for row in d]
-        render = next((r for key, r in BENCH_TABLES.items() if all(key in d[0] for d in loaded)), peers_table)
-        print(render(rows))
-        return
-    if all(isinstance(d, dict) and "concurrency" in d for d in loaded):  # bench serve runs
-        print(serve_table(loaded))
-        return
-    if all(isinstance(d, dict) and "ratios" in d for d in loaded):  # bench scaleout runs
-        print(scaleout_table(loaded))
-        return
-    if all(isinstance(d, dict) and "bytes_before" in d for d in loaded):  # store recode runs
-        print(recode_table(loaded))
-        return
-    if all(isinstance(d, dict) and "clients" in d for d in loaded):  # load test runs
-        print(load_table(loaded))
-        return
-    if all(isinstance(d, dict) and d.get("rows") for d in loaded):  # script rows: codec_allocation or oracle sweep
-        rows = [row for d in loaded for row in d["rows"]]
-        print(allocation_table(rows) if all("allocation" in d["rows"][0] for d in loaded) else oracle_table(rows))
-        return
-    rows = [row for d in loaded for row in d["results"]]
-    print(table(rows, args.dataset, [c.strip() for c in args.columns.split(",")]))
+    text = render([json.loads(path.read_text(encoding="utf-8")) for path in args.json], args)
+    print(text.split("\n\n")[0] if args.summary else text)
 
 
 if __name__ == "__main__":
