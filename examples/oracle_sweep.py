@@ -85,7 +85,7 @@ def oracle_scores(engine: RagEngine, chunks, question: str) -> tuple[dict[str, t
     model.get_decoder()(
         input_ids=torch.tensor([list(tail)]),
         position_ids=torch.tensor([positions]),
-        past_key_values=cache,
+        cache=cache,
         use_cache=True,
         **{PROBE: probe},
     )

@@ -58,7 +58,7 @@ def forward_new_tokens(
         model,
         input_ids=torch.tensor([list(ids)], device=device),
         position_ids=torch.tensor([list(positions)], device=device),
-        past_key_values=cache,
+        cache=cache,
         use_cache=True,
         logits_to_keep=1,
     )

@@ -43,7 +43,7 @@ def encode_spans(
     model.get_decoder()(
         input_ids=ids.to(device),
         position_ids=positions.to(device),
-        past_key_values=buffer.cache(ctx_len),
+        cache=buffer.cache(ctx_len),
         use_cache=True,
     )
     out = []

@@ -146,7 +146,7 @@ def decode_tokens(
                 model,
                 input_ids=torch.tensor([[token]], device=device),
                 position_ids=torch.tensor([[next_position + step]], device=device),
-                past_key_values=cache,
+                cache=cache,
                 use_cache=True,
                 logits_to_keep=1,
             )

@@ -89,7 +89,7 @@ def recompute_and_prefill(
         input_ids=torch.tensor([[*selected_ids, *new_ids]], device=device),
         position_ids=torch.tensor([[*selected_positions, *new_positions]], device=device),
         attention_mask=mask,
-        past_key_values=cache,
+        cache=cache,
         use_cache=True,
         logits_to_keep=1,
         query_blocks=blocks,

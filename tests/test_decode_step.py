@@ -34,14 +34,14 @@ def test_each_step_equals_the_forward_and_writes_the_same_cache(tokenizer, arch:
     ours, theirs = allocate(lm.model, len(prompt) + 8), allocate(lm.model, len(prompt) + 8)
     ours_cache, theirs_cache = ours.cache(0), theirs.cache(0)
     with torch.inference_mode():
-        lm.model(input_ids=torch.tensor([prompt]), past_key_values=ours_cache, use_cache=True)
-        lm.model(input_ids=torch.tensor([prompt]), past_key_values=theirs_cache, use_cache=True)
+        lm.model(input_ids=torch.tensor([prompt]), cache=ours_cache, use_cache=True)
+        lm.model(input_ids=torch.tensor([prompt]), cache=theirs_cache, use_cache=True)
         for position, token in enumerate([5, 77, 301, 9], start=len(prompt)):
             fused = step(token, position, ours_cache)
             plain = lm.model(
                 input_ids=torch.tensor([[token]]),
                 position_ids=torch.tensor([[position]]),
-                past_key_values=theirs_cache,
+                cache=theirs_cache,
                 use_cache=True,
             ).logits[0, -1]
             error = (fused.float() - plain.float()).abs().max() / plain.float().abs().max()
@@ -101,7 +101,7 @@ def test_the_compiled_step_equals_the_eager_one_at_every_length_in_one_graph(tok
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     with torch.inference_mode():
         for cache in (ours_cache, theirs_cache):
-            lm.model(input_ids=torch.tensor([prompt]), past_key_values=cache, use_cache=True)
+            lm.model(input_ids=torch.tensor([prompt]), cache=cache, use_cache=True)
         for position, token in enumerate([5, 77, 301, 9, 12, 40], start=len(prompt)):
             torch.testing.assert_close(
                 compiled(token, position, ours_cache), eager(token, position, theirs_cache), rtol=1e-4, atol=1e-4

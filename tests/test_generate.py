@@ -154,3 +154,15 @@ def test_streamed_pieces_join_to_the_full_decode(text: str) -> None:
     ids = tokenizer.encode(text, add_special_tokens=False)
     pieces = list(stream_text(iter(ids), tokenizer, (), lambda _: None))
     assert "".join(pieces) == tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def test_cached_generation_uses_the_current_cache_api(tokenizer) -> None:
+    """transformers 5.24 deprecates ``forward(past_key_values=...)`` with a FutureWarning; encoding the modules,
+    prefilling the new tokens and decoding pass ``cache=`` instead."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        fresh = PromptCache(tiny_model("llama", tokenizer))
+        fresh.add_schema(Schema("s", (Text("Context: "), Module("doc", (Text("Paris is in France."),)))))
+        assert len(fresh.generate(PROMPT, max_new_tokens=3).token_ids) == 3

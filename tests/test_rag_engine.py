@@ -122,7 +122,7 @@ def test_deviation_probe_is_zero_on_an_exact_cache(engines: dict[str, RagEngine]
     head = len(engine.head_ids)
     exact = allocate(engine.lm.model, head + len(ids))
     with torch.inference_mode():  # a full prefill: every cached value is what full attention gives
-        engine.lm.model(input_ids=torch.tensor([[*engine.head_ids, *ids]]), past_key_values=exact.cache(0))
+        engine.lm.model(input_ids=torch.tensor([[*engine.head_ids, *ids]]), cache=exact.cache(0))
     positions = range(head, head + len(ids))
     assert float(kv_deviation(engine.lm.model, exact, head, ids, positions, 1).max()) < 1e-4
     spliced = allocate(engine.lm.model, head + len(ids))

@@ -33,7 +33,7 @@ def _dense_forward(model, buffer, cached, selected, ids, positions) -> torch.Ten
             input_ids=torch.tensor([ids]),
             position_ids=torch.tensor([positions]),
             attention_mask=mask,
-            past_key_values=Cache(layers=layers),
+            cache=Cache(layers=layers),
             logits_to_keep=1,
         )
     return out.logits[0, -1]

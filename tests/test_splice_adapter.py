@@ -92,7 +92,7 @@ def test_skipped_rows_run_as_the_plain_model(adapted, merged: bool) -> None:
     with torch.no_grad():
         plain = lm.model(input_ids=torch.tensor([IDS[:n]]), use_cache=True)
         with adapter.applied():
-            after = lm.model(input_ids=torch.tensor([IDS[n:]]), past_key_values=plain.past_key_values).logits[0]
+            after = lm.model(input_ids=torch.tensor([IDS[n:]]), cache=plain.cache).logits[0]
         with adapter.applied(skip_rows=n):
             skipped = logits(lm, IDS)
     assert torch.allclose(skipped[:n], plain.logits[0], atol=1e-5)

@@ -49,7 +49,7 @@ def question_attention(
             model.get_decoder(),
             input_ids=torch.tensor([list(ids)], device=device),
             position_ids=torch.tensor([list(positions)], device=device),
-            past_key_values=cache,
+            cache=cache,
             use_cache=True,
             **{PROBE: probe},
         )

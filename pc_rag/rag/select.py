@@ -63,7 +63,7 @@ def kv_deviation(
         model.get_decoder()(
             input_ids=torch.tensor([list(ids)], device=device),
             position_ids=torch.tensor([list(positions)], device=device),
-            past_key_values=Cache(layers=probe),
+            cache=Cache(layers=probe),
             use_cache=True,
             **{VALUES_KWARG: values},
         )

@@ -143,7 +143,7 @@ def _forward_all(
         model,
         input_ids=torch.tensor([list(ids)], device=device),
         position_ids=torch.arange(position, position + len(ids), device=device)[None],
-        past_key_values=buffer.cache(length),
+        cache=buffer.cache(length),
         use_cache=True,
     )
     return out.logits[0].float().cpu()

@@ -123,7 +123,7 @@ def student_logprobs(
         out = model(
             input_ids=torch.tensor([inputs], device=device),
             position_ids=torch.arange(cursor, cursor + len(inputs), device=device)[None],
-            past_key_values=cache,
+            cache=cache,
             use_cache=True,
             logits_to_keep=record.steps,
             **extra,
