@@ -235,13 +235,16 @@ class DocumentStore:
             self._seen = stamp
             return changed
 
-    def repair(self) -> RepairReport:
+    def repair(self, *, reencode: bool = True) -> RepairReport:
         """Bring the store back to a consistent state after damage or an old pc-rag's interrupted write, and
-        commit (``consistency.repair_contents`` says what it drops and rebuilds). A store written by this
-        version needs none of it after a crash: see the class docstring."""
+        commit (``consistency.repair_contents`` says what it drops and rebuilds). Chunks whose KV is damaged or
+        missing are encoded again from their text with this store's engine (``reencode``), else their documents
+        are dropped and named in the report. A store written by this version needs none of it after a crash: see
+        the class docstring."""
         with self._write_mutex:
             self._begin_write()
-            report = repair_contents(self.directory, self.manifest, self.kv, self.index, self.embedder)
+            again = partial(encode_again, self) if reencode else None
+            report = repair_contents(self.directory, self.manifest, self.kv, self.index, self.embedder, again)
             self.commit()
             return report
 

@@ -6,10 +6,12 @@ A raw shard holds, for each chunk id ``c``, tensors ``"c.k"`` and ``"c.v"``
 positions the keys were rotated at). A compressed shard (``codec``) holds
 ``"c.lN"``: the CacheGen bytes of the chunk at quality level N, for each level
 the store writes; they carry their own positions and checksum. Every write is a new shard, moved into
-place atomically, and only then listed in the manifest with its sha256: a
-crash leaves the previous store. Deleting marks entries dead; ``compact()``
-rewrites shards without them. A shard's checksum is verified the first time
-it is opened in a process, outside the lock readers of other shards need.
+place atomically, and only then listed in the manifest with its sha256 and one
+per chunk (``_chunk_sums``): a crash leaves the previous store. Deleting marks
+entries dead; ``compact()`` rewrites shards without them. A shard's checksum is
+verified the first time it is opened in a process, outside the lock readers of
+other shards need; a shard that fails it is read chunk by chunk, each chunk
+checked against its own checksum, so damage loses only the chunks it touches.
 Nothing is ever pickled or ``torch.load``-ed. This module knows nothing about
 models, RoPE or retrieval: KV arrives finished.
 
@@ -21,7 +23,6 @@ the shard table in memory, and the owner commits it with everything else.
 from __future__ import annotations
 
 import logging
-import operator
 import os
 import secrets
 import threading
@@ -39,7 +40,9 @@ from pc_rag.codec import CacheGenCodec
 from pc_rag.errors import CodecError, StoreCorruptedError, StoreError
 from pc_rag.kv import SpanKV
 from pc_rag.store._atomic import fsync_dir, fsync_file, sha256_file, staged
+from pc_rag.store._chunk_sums import chunk_digest, chunk_digests, damaged_chunks
 from pc_rag.store._lru import ByteLRU
+from pc_rag.store._spans import check_span, span_bytes, well_shaped
 from pc_rag.store._threads import map_threads
 from pc_rag.store.files import SHARD_DIR, remove_unlisted
 from pc_rag.store.manifest import MANIFEST_NAME, Manifest, ShardRecord
@@ -98,6 +101,7 @@ class KVStore:
         self._lru: ByteLRU[SpanKV] = ByteLRU(lru_bytes, span_bytes)  # key: chunk id, or (chunk id, level)
         self._lock = threading.RLock()  # the shard table, handles and LRU
         self._opening: dict[str, threading.Lock] = {}  # shard name -> held while its checksum is verified
+        self._suspect: set[str] = set()  # shards that failed their checksum: each chunk read is checked
 
     def __len__(self) -> int:
         return len(self._where)
@@ -129,7 +133,7 @@ class KVStore:
         """Write ``spans`` as one new shard; ids already stored are replaced (their old entries marked dead)."""
         if not spans:
             return
-        spans = {_check_span(cid, span): span for cid, span in spans.items()}
+        spans = {check_span(cid, span): span for cid, span in spans.items()}
         tensors, codec = self._tensors(spans), self._codec_name()
         with self._lock:
             name, record = self._write_shard(tensors, sorted(spans), codec, self.levels)
@@ -263,6 +267,8 @@ class KVStore:
                 live = _live(record)
                 if live:
                     parts = [f"l{n}" for n in record.levels] if record.codec else ["k", "v", "pos"]
+                    for c in live:
+                        self._check_chunk(name, c)
                     raw = {f"{c}.{t}": self._open(name).get_tensor(f"{c}.{t}") for c in live for t in parts}
                     new_name, new_record = self._write_shard(raw, live, record.codec, record.levels)
                     shards[new_name] = new_record
@@ -279,7 +285,17 @@ class KVStore:
             self.manifest = manifest
             self._where = self._locate()
             self._handles = {n: h for n, h in self._handles.items() if n in self.manifest.shards}
+            self._suspect &= set(self._handles)
             self._lru.clear()
+
+    def damaged(self, name: str) -> list[int]:
+        """The live chunks of shard ``name`` whose KV is lost: none if the shard matches its checksum, else those
+        failing their own (every one, in a shard recorded without per-chunk checksums or that cannot be opened)."""
+        record = self.manifest.shards[name]
+        if self.problem(name) is None:
+            return []
+        live = set(_live(record))
+        return [c for c in damaged_chunks(self.directory / name, record.chunk_ids, record.chunk_sha256) if c in live]
 
     def verify(self) -> None:
         """Check every shard against its recorded sha256; ``StoreCorruptedError`` naming each bad one."""
@@ -335,7 +351,8 @@ class KVStore:
         with staged(path) as tmp:
             save_file(tensors, str(tmp), metadata={"format": "pt", "pc_rag": "kv-shard/1"})
             fsync_file(tmp)
-            record = ShardRecord(sha256_file(tmp), tmp.stat().st_size, tuple(chunk_ids), codec=codec, levels=levels)
+            record = ShardRecord(sha256_file(tmp), tmp.stat().st_size, tuple(chunk_ids), codec=codec, levels=levels,
+                                 chunk_sha256=chunk_digests(tensors, chunk_ids))  # fmt: skip
             os.replace(tmp, path)
         fsync_dir(path.parent)
         logger.debug("wrote %s: %d chunks, %d bytes", name, len(chunk_ids), record.nbytes)
@@ -370,30 +387,50 @@ class KVStore:
                 handle = self._handles.get(name)
             if handle is not None:
                 return handle
-            if problem := self.problem(name):
+            problem = self.problem(name)
+            record = self.manifest.shards.get(name)
+            if problem and not (record and record.chunk_sha256 and (self.directory / name).is_file()):
                 msg = f"KV store at {self.directory} is damaged: {problem}"
                 raise StoreCorruptedError(msg)
             try:
                 handle = safe_open(str(self.directory / name), framework="pt")
             except (OSError, SafetensorError) as e:
-                msg = f"KV shard {name} in {self.directory} cannot be opened: {e}"
+                msg = f"KV shard {name} in {self.directory} cannot be opened: {e}; {self._repair_hint}"
                 raise StoreCorruptedError(msg) from e
+            if problem:
+                logger.warning("%s: reading its intact chunks, each checked against its own checksum", problem)
             with self._lock:
                 self._handles[name] = handle
+                if problem:
+                    self._suspect.add(name)
             return handle
 
     def problem(self, name: str) -> str | None:
         """What is wrong with shard ``name`` on disk, or None."""
         path = self.directory / name
         if not path.is_file():
-            return f"shard {name} is missing (rebuild the store, or restore the file)"
+            return f"shard {name} is missing (restore the file, or {self._repair_hint})"
         actual = sha256_file(path)
         record = self.manifest.shards.get(name)
         if record is None:
             return f"shard {name} is no longer listed in the manifest (the store changed; load it again)"
         if actual != record.sha256:
-            return f"shard {name} does not match its checksum (sha256 {actual[:12]}…); rebuild the store"
+            return f"shard {name} does not match its checksum (sha256 {actual[:12]}…); {self._repair_hint}"
         return None
+
+    @property
+    def _repair_hint(self) -> str:
+        return f"run `pc-rag store repair --store {self.directory}`"
+
+    def _check_chunk(self, name: str, chunk_id: int) -> None:
+        """In a shard that failed its checksum, ``StoreCorruptedError`` unless ``chunk_id`` matches its own."""
+        if name not in self._suspect:
+            return
+        record = self.manifest.shards[name]
+        if chunk_digest(self._open(name), chunk_id) != record.chunk_sha256[record.chunk_ids.index(chunk_id)]:
+            msg = (f"chunk {chunk_id} in KV shard {name} of {self.directory} does not match its checksum; "
+                   f"{self._repair_hint}, which encodes it again from its text")  # fmt: skip
+            raise StoreCorruptedError(msg)
 
     def _record_of(self, chunk_id: int) -> tuple[str, ShardRecord]:
         with self._lock:
@@ -420,6 +457,7 @@ class KVStore:
             have = f"tables {self.codec.tables.digest}" if self.codec else "no codec tables"
             msg = f"KV shard {name} in {self.directory} was compressed as {record.codec}; this store has {have}"
             raise StoreCorruptedError(msg)
+        self._check_chunk(name, chunk_id)
         try:
             blob = self._open(name).get_tensor(f"{chunk_id}.l{level}").numpy()
         except SafetensorError as e:
@@ -433,12 +471,13 @@ class KVStore:
 
     def _read(self, name: str, chunk_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         handle = self._open(name)
+        self._check_chunk(name, chunk_id)
         try:
             keys, values, positions = (handle.get_tensor(f"{chunk_id}.{t}") for t in ("k", "v", "pos"))
         except SafetensorError as e:
             msg = f"KV shard {name} lacks the tensors of chunk {chunk_id}: {e}"
             raise StoreCorruptedError(msg) from e
-        if not _well_shaped(keys, values, positions):
+        if not well_shaped(keys, values, positions):
             msg = f"KV shard {name} holds malformed tensors for chunk {chunk_id}: {tuple(keys.shape)}"
             raise StoreCorruptedError(msg)
         return keys, values, positions
@@ -453,26 +492,3 @@ def _kill(record: ShardRecord, chunk_ids: Iterable[int]) -> ShardRecord:
 def _live(record: ShardRecord) -> list[int]:
     dead = set(record.dead)
     return [c for c in record.chunk_ids if c not in dead]
-
-
-def _well_shaped(keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> bool:
-    # keys, values: [L, H_kv, S, D]; positions: [S]
-    return keys.dim() == 4 and keys.shape == values.shape and positions.shape == (keys.shape[2],)
-
-
-def span_bytes(span: SpanKV) -> int:
-    """What a decoded span holds in memory: its keys, values and positions."""
-    return span.nbytes + span.positions.nbytes
-
-
-def _check_span(chunk_id: int, span: SpanKV) -> int:
-    """``chunk_id`` as an int (``TypeError`` if it is not an integer), after checking it and the span's shapes."""
-    cid = operator.index(chunk_id)
-    if cid < 0:
-        msg = f"chunk ids must be non-negative, got {cid}"
-        raise ValueError(msg)
-    if not _well_shaped(span.keys, span.values, span.positions):
-        shapes = ", ".join(str(tuple(t.shape)) for t in (span.keys, span.values, span.positions))
-        msg = f"chunk {cid}: keys/values must be [L, H_kv, S, D] of one shape and positions [S]; got {shapes}"
-        raise ValueError(msg)
-    return cid

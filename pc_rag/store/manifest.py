@@ -24,8 +24,9 @@ from pc_rag.store.files import MANIFEST_NAME as MANIFEST_NAME  # its home is fil
 
 logger = logging.getLogger(__name__)
 
-FORMAT_VERSION = 4  # 2: versioned index file with a checksum, commit generation; 3: compressed KV shards;
-# 4: chunk content hashes, KV in a module store
+FORMAT_VERSION = 5  # 2: versioned index file with a checksum, commit generation; 3: compressed KV shards;
+# 4: chunk content hashes, KV in a module store; 5: a checksum per chunk in each shard record (older shard records
+# have none and are verified per shard only, until a compaction rewrites them)
 
 
 @dataclass(frozen=True)
@@ -74,6 +75,8 @@ class ShardRecord:
     """One safetensors file of chunk KV: checksum, size, the chunks it holds and which of them are deleted.
 
     ``codec`` is empty for raw KV, else ``cachegen:<table digest>`` with the quality ``levels`` each chunk has.
+    ``chunk_sha256`` holds one checksum per chunk, in ``chunk_ids`` order (``_chunk_sums``), so damage to the
+    file loses only the chunks it touches; empty in records written before format 5.
     """
 
     sha256: str
@@ -82,6 +85,7 @@ class ShardRecord:
     dead: tuple[int, ...] = ()
     codec: str = ""
     levels: tuple[int, ...] = ()
+    chunk_sha256: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -224,6 +228,7 @@ def _shard(data: dict[str, Any]) -> ShardRecord:
         dead=tuple(int(i) for i in data.get("dead", ())),
         codec=str(data.get("codec", "")),
         levels=tuple(int(n) for n in data.get("levels", ())),
+        chunk_sha256=tuple(str(h) for h in data.get("chunk_sha256", ())),
     )
 
 

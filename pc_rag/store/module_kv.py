@@ -23,8 +23,8 @@ from pc_rag.modules.interface import ModuleStore
 from pc_rag.modules.keys import Encoding, ModuleKey
 from pc_rag.modules.serialize import module_bytes, module_span
 from pc_rag.store._lru import ByteLRU
+from pc_rag.store._spans import span_bytes
 from pc_rag.store._threads import map_threads
-from pc_rag.store.kvstore import span_bytes
 from pc_rag.store.manifest import Manifest
 
 Recompute = Callable[[Sequence[int]], list[SpanKV]]  # chunk ids -> their KV, encoded from the manifest's text
