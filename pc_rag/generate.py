@@ -16,8 +16,8 @@ from tokenizers.decoders import DecodeStream
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from transformers.cache_utils import Cache
 
-from pc_rag.decode_step import DecodeStep
 from pc_rag.model_call import PLAIN, ModelCall
+from pc_rag.runtime.model_runner import ModelRunner
 
 
 @dataclass(frozen=True)
@@ -121,9 +121,11 @@ def decode_tokens(
     call: ModelCall = PLAIN,
 ) -> DecodedTokens:
     """Generated token ids (EOS excluded) until EOS or ``max_new_tokens``; each step's forward runs through ``call``,
-    or, for a plain call on a model it describes, through the fused ``DecodeStep``."""
+    or, for a plain call on a model it describes, through the model runner (the fused ``DecodeStep`` on the CPU,
+    a replayed CUDA graph on a GPU)."""
     kept: list[torch.Tensor] = []
-    fused = DecodeStep.of(model) if call.is_plain and DecodeStep.serves(cache) else None
+    runner = ModelRunner.of(model)
+    fused = runner.decode if call.is_plain and runner.serves(cache) else None
 
     @torch.inference_mode()
     def steps() -> Iterator[int]:

@@ -21,6 +21,7 @@ from pc_rag.kv import BufferPool, KVBuffer
 from pc_rag.model import LoadedModel
 from pc_rag.model_call import ModelCall
 from pc_rag.recompute import recompute_and_prefill
+from pc_rag.runtime.model_runner import ModelRunner
 from pc_rag.runtime.request import Request
 
 
@@ -79,6 +80,8 @@ def prefill(lm: LoadedModel, buffers: BufferPool, request: Request) -> Prefilled
                 lm.model, buffer, spliced, chosen, refresh.token_ids(chosen), refresh.positions(chosen),
                 request.new_ids, request.new_positions, call=call,
             )  # fmt: skip
+        elif call.is_plain:  # the one runner: static shapes and CUDA graphs on a GPU
+            logits, cache = ModelRunner.of(lm.model).forward(buffer, spliced, request.new_ids, request.new_positions)
         else:
             logits, cache = forward_new_tokens(
                 lm.model, buffer, spliced, request.new_ids, request.new_positions, call=call

@@ -1,0 +1,263 @@
+"""One model runner under every plain forward: new tokens over a preallocated cache, and the decode step.
+
+Every way of serving (PML prompts, RAG answers, the full-prefill baseline) ends in the same two forwards: the
+tokens a request computes at query time, written after its spliced cache, and one decode step per generated
+token. ``ModelRunner`` runs both for one sequence. On the CPU it runs them as they ran before (transformers'
+forward for new tokens, the fused ``DecodeStep``), so CPU figures and bits do not change. On CUDA, for the
+Llama-style models ``DecodeStep`` describes, it runs a **static-shape** forward (``StaticForward``): the cached
+length and the last real token's index are device tensors the step reads, the new tokens are padded to a
+bucket, attention runs over the whole buffer under a mask, and keys and values are written with
+``index_copy_``. Nothing in it depends on a host value, so it is captured once per (buffer, bucket) as a CUDA
+graph and replayed (``GraphedForward``): a request launches a handful of graphs instead of ~1,000 kernels.
+
+Rules of the buffer: keys are stored after RoPE at absolute positions; slots at or after the cached length
+hold garbage that no real query sees (the mask), and the padded tokens of a bucket write their garbage there.
+
+This module knows nothing about PML, chunks, adapters or sampling: it receives token ids, positions and a
+``KVBuffer``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import weakref
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from transformers import PreTrainedModel
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+from pc_rag.decode_step import DecodeStep, FusedLayer, built_once, rms_norm
+from pc_rag.kv import BufferCache, KVBuffer
+from pc_rag.weights import KERNEL_ROWS
+
+logger = logging.getLogger(__name__)
+
+PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512)
+"""Padded new-token counts a graph is captured for; longer forwards are compute-bound and run eagerly."""
+MAX_GRAPHS = 32
+"""Captured graphs kept per model (least recently used dropped): each pins its buffer and a little memory."""
+
+
+def bucket_for(count: int, buckets: Sequence[int] = PREFILL_BUCKETS) -> int | None:
+    """The smallest bucket holding ``count`` new tokens (1 is its own bucket: the decode step); None if none."""
+    if count == 1:
+        return 1
+    return next((b for b in buckets if b >= count), None)
+
+
+class StaticForward:
+    """``T`` tokens after ``length`` cached ones in a full-capacity buffer, with no shape that depends on them.
+
+    ``__call__(tokens [1, T], positions [1, T], length [1], last [1], keys, values)`` writes the tokens' keys
+    and values into ``keys``/``values`` [L, 1, H_kv, C, D] at slots ``length + t`` and returns the logits [V]
+    of token ``last``. Query ``t`` sees slots ``<= length + t``; the query heads are folded onto their KV head
+    (query head h = g * n_rep + r reads KV head g), so the cache is read in place, never repeated.
+    The caller guarantees ``length + T <= C`` and that no slot holds NaN or infinity: a masked slot enters the
+    attention's ``P @ V`` with weight 0, and ``0 * NaN`` is NaN.
+    """
+
+    def __init__(self, model: PreTrainedModel) -> None:
+        self._model = model
+        self._decoder = model.get_decoder()
+        self._layers = [FusedLayer(layer) for layer in self._decoder.layers]
+
+    @classmethod
+    def of(cls, model: PreTrainedModel) -> StaticForward | None:
+        """The model's static forward, built once; None for models ``DecodeStep`` does not describe."""
+        return built_once(cls, model)
+
+    def __call__(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        length: torch.Tensor,
+        last: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+    ) -> torch.Tensor:
+        decoder = self._decoder
+        count, capacity = tokens.shape[1], keys.shape[-2]
+        slots = length + torch.arange(count, device=tokens.device)  # [T]
+        visible = torch.arange(capacity, device=tokens.device)[None, :] <= slots[:, None]  # [T, C]
+        x = decoder.embed_tokens(tokens)  # [1, T, hidden]
+        rotary = decoder.rotary_emb(x, positions)
+        for index, fused in enumerate(self._layers):
+            x = self._layer(fused, x, rotary, keys[index], values[index], slots, visible)
+        hidden = rms_norm(decoder.norm, x)[0].index_select(0, last)  # [1, hidden]
+        return self._model.lm_head(hidden)[0]
+
+    @staticmethod
+    def _layer(
+        fused: FusedLayer,
+        x: torch.Tensor,
+        rotary: tuple[torch.Tensor, torch.Tensor],
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        slots: torch.Tensor,
+        visible: torch.Tensor,
+    ) -> torch.Tensor:
+        """One decoder layer on ``x`` [1, T, hidden]; writes its keys and values into the layer's [1, H_kv, C, D]."""
+        layer = fused.layer
+        attn, mlp = layer.self_attn, layer.mlp
+        count, head_dim = x.shape[1], attn.head_dim
+        h = rms_norm(layer.input_layernorm, x)
+        small = count <= KERNEL_ROWS  # a quantized fused kernel takes at most KERNEL_ROWS rows
+        q, k, v = fused.qkv(h) if fused.qkv and small else (attn.q_proj(h), attn.k_proj(h), attn.v_proj(h))
+        q, k = q.view(1, count, -1, head_dim), k.view(1, count, -1, head_dim)
+        if hasattr(attn, "q_norm"):  # Qwen3 normalizes each head's query and key
+            q, k = rms_norm(attn.q_norm, q), rms_norm(attn.k_norm, k)
+        q, k = apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), *rotary)  # [1, H, T, D], [1, H_kv, T, D]
+        v = v.view(1, count, -1, head_dim).transpose(1, 2)
+        keys[0].index_copy_(1, slots, k[0])
+        values[0].index_copy_(1, slots, v[0])
+        kv_heads = keys.shape[1]
+        n_rep = q.shape[1] // kv_heads
+        folded = q.reshape(1, kv_heads, n_rep * count, head_dim)  # rows (r, t), r major
+        mask = visible.repeat(n_rep, 1)[None, None]  # [1, 1, n_rep * T, C]
+        out = F.scaled_dot_product_attention(folded, keys, values, attn_mask=mask, scale=attn.scaling)
+        out = out.view(1, kv_heads * n_rep, count, head_dim).transpose(1, 2).reshape(1, count, -1)
+        x = x + attn.o_proj(out)
+        h = rms_norm(layer.post_attention_layernorm, x)
+        gate, up = fused.gate_up(h) if fused.gate_up and small else (mlp.gate_proj(h), mlp.up_proj(h))
+        return x + mlp.down_proj(F.silu(gate) * up)
+
+
+class GraphedForward:
+    """A ``StaticForward`` of one bucket over one buffer, captured as a CUDA graph; ``run`` replays it.
+
+    Inputs are copied into the graph's own device tensors; the logits are a tensor the graph overwrites
+    (copy them before the next replay if they must outlive it)."""
+
+    def __init__(self, forward: StaticForward, buffer: KVBuffer, bucket: int, pool: Any) -> None:
+        device = buffer.keys.device
+        self.buffer, self.bucket = buffer, bucket
+        self.tokens = torch.zeros(1, bucket, dtype=torch.long, device=device)
+        self.positions = torch.zeros(1, bucket, dtype=torch.long, device=device)
+        self.length = torch.zeros(1, dtype=torch.long, device=device)
+        self.last = torch.zeros(1, dtype=torch.long, device=device)
+        args = (self.tokens, self.positions, self.length, self.last, buffer.keys, buffer.values)
+        stream = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):  # warm-up outside the graph: lazy inits and autotuning happen here
+            forward(*args)
+        torch.cuda.current_stream(device).wait_stream(stream)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, pool=pool):
+            self.logits = forward(*args)
+
+    def run(self, ids: Sequence[int], positions: Sequence[int], length: int) -> torch.Tensor:
+        count = len(ids)
+        padded_ids = [*ids, *([0] * (self.bucket - count))]
+        padded_positions = [*positions, *([positions[-1]] * (self.bucket - count))]
+        staged = torch.tensor([padded_ids, padded_positions, [length] * self.bucket, [count - 1] * self.bucket])
+        staged = staged.pin_memory().to(self.tokens.device, non_blocking=True)
+        self.tokens[0].copy_(staged[0])
+        self.positions[0].copy_(staged[1])
+        self.length.copy_(staged[2, :1])
+        self.last.copy_(staged[3, :1])
+        self.graph.replay()
+        return self.logits
+
+
+class ModelRunner:
+    """The forwards of one model: ``forward`` (new tokens after a spliced cache) and ``decode`` (one token).
+
+    ``graphs``: capture and replay CUDA graphs (default: on when the model is on CUDA and ``StaticForward``
+    describes it). Graphs are keyed by buffer and bucket and kept in an LRU of ``MAX_GRAPHS``.
+    """
+
+    def __init__(self, model: PreTrainedModel, graphs: bool | None = None) -> None:
+        self.model = model
+        self.device = next(model.parameters()).device
+        self._static = StaticForward.of(model)
+        self.graphs = (self.device.type == "cuda" and self._static is not None) if graphs is None else graphs
+        if self.graphs and (self.device.type != "cuda" or self._static is None):
+            msg = f"CUDA graphs need a CUDA model that StaticForward describes (device {self.device})"
+            raise ValueError(msg)
+        self._captured: OrderedDict[tuple[int, int, int], GraphedForward] = OrderedDict()
+        self._pool = torch.cuda.graph_pool_handle() if self.graphs else None
+        self._lock = threading.Lock()
+
+    @classmethod
+    def of(cls, model: PreTrainedModel) -> ModelRunner:
+        """The model's runner, built once per model."""
+        return runner_of(model)
+
+    @torch.inference_mode()
+    def forward(
+        self, buffer: KVBuffer, length: int, ids: Sequence[int], positions: Sequence[int]
+    ) -> tuple[torch.Tensor, BufferCache]:
+        """Run ``ids`` at ``positions`` after ``length`` cached tokens of ``buffer``; last logits [V] and the cache."""
+        bucket = bucket_for(len(ids)) if self.graphs else None
+        if bucket is None or length + bucket > buffer.keys.shape[-2]:
+            return self._eager_forward(buffer, length, ids, positions)
+        logits = self._graph(buffer, bucket, length).run(ids, positions, length)
+        cache = buffer.cache(length + len(ids))
+        return logits.clone(), cache
+
+    @torch.inference_mode()
+    def decode(self, token: int, position: int, cache: BufferCache) -> torch.Tensor:
+        """The logits [V] after ``token`` at ``position``, written after the cache's tokens (the cache advances)."""
+        if not self.graphs:
+            step = DecodeStep.of(self.model)
+            assert step is not None, "decode needs a model DecodeStep describes (see DecodeStep.serves)"
+            return step(token, position, cache)
+        length = cache.get_seq_length()
+        buffer = cache.gathered(room=1)
+        logits = self._graph(buffer, 1, length).run([token], [position], length)
+        for layer in cache.layers:
+            layer.advance(1)
+        return logits.clone()
+
+    def serves(self, cache: object) -> bool:
+        """Whether ``decode`` can step ``cache``: a batch-one buffer cache of a model the fused step describes."""
+        return isinstance(cache, BufferCache) and DecodeStep.serves(cache) and self._static is not None
+
+    def _graph(self, buffer: KVBuffer, bucket: int, length: int) -> GraphedForward:
+        """The graph of ``bucket`` over ``buffer`` (captured on first use, when ``length`` tokens are cached)."""
+        assert self._static is not None
+        key = (buffer.keys.data_ptr(), buffer.keys.shape[-2], bucket)
+        with self._lock:
+            graph = self._captured.get(key)
+            if graph is None:
+                # a masked slot still enters P @ V with weight 0, so it must hold no NaN (fresh memory may)
+                buffer.keys[..., length:, :].zero_()
+                buffer.values[..., length:, :].zero_()
+                graph = GraphedForward(self._static, buffer, bucket, self._pool)
+                self._captured[key] = graph
+                if len(self._captured) > MAX_GRAPHS:
+                    self._captured.popitem(last=False)
+            self._captured.move_to_end(key)
+            return graph
+
+    def _eager_forward(
+        self, buffer: KVBuffer, length: int, ids: Sequence[int], positions: Sequence[int]
+    ) -> tuple[torch.Tensor, BufferCache]:
+        device = buffer.keys.device
+        cache = buffer.cache(length)
+        out = self.model(
+            input_ids=torch.tensor([list(ids)], device=device),
+            position_ids=torch.tensor([list(positions)], device=device),
+            cache=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        return out.logits[0, -1], cache
+
+
+_RUNNERS: weakref.WeakKeyDictionary[PreTrainedModel, ModelRunner] = weakref.WeakKeyDictionary()
+_RUNNERS_LOCK = threading.Lock()
+
+
+def runner_of(model: PreTrainedModel) -> ModelRunner:
+    """``model``'s runner, built once per model (kept as ``DecodeStep`` keeps its steps: by the model's identity)."""
+    with _RUNNERS_LOCK:
+        runner = _RUNNERS.get(model)
+        if runner is None:
+            runner = _RUNNERS[model] = ModelRunner(model)
+        return runner
