@@ -23,7 +23,7 @@ from pc_rag.generate import GenerationResult, ReplyStream, SamplingParams
 from pc_rag.model import LoadedModel
 from pc_rag.rag.engine import RagEngine
 from pc_rag.rag.markers import split_module_prompt
-from pc_rag.rag.order import DEFAULT_ORDER
+from pc_rag.rag.order import DEFAULT_ORDER, reorder
 from pc_rag.rag.prompt import RagPrompt
 from pc_rag.runtime.request import Request
 from pc_rag.runtime.scheduler import Scheduler
@@ -108,15 +108,16 @@ class PromptServer:
         full: bool = False,
         **sampling: object,
     ) -> tuple[tuple[ModuleHandle, ...], Request]:
-        """The retrieved handles and ``answer``'s request (``full``: by full prefill of the same tokens)."""
+        """The retrieved handles, best first whatever the layout ``order``, and ``answer``'s request (``full``: by
+        full prefill of the same tokens)."""
         store = self._require_store("answering a question")
         _check_settings(sampling, SamplingParams.__dataclass_fields__)
-        handles = store.search(question, k, order)
-        chunks = store.chunks(handles)
+        ranked = tuple(store.search(question, k))  # best first: how sources are listed
+        chunks = store.chunks(reorder(ranked, order))  # how the prompt lays them out
         if full:
             ids = store.engine.full_ids(chunks, question)
-            return tuple(handles), full_request(ids, SamplingParams(**sampling))  # type: ignore[arg-type]
-        return tuple(handles), store.engine.request(chunks, question, self._mode(mode), **sampling)
+            return ranked, full_request(ids, SamplingParams(**sampling))  # type: ignore[arg-type]
+        return ranked, store.engine.request(chunks, question, self._mode(mode), **sampling)
 
     def stream(self, prompt: str, *, mode: str | None = None, full: bool = False, **sampling: object) -> ReplyStream:
         """Text deltas of the reply to ``prompt``; ``sampling`` are ``SamplingParams`` fields (see ``request``)."""
