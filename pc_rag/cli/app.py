@@ -44,7 +44,8 @@ def main(argv: list[str] | None = None) -> int:
     idx.add_argument("--chunk-tokens", type=_positive, default=None, help="tokens per chunk (new store; default 256)")
     idx.add_argument("--overlap", type=_non_negative, default=None,
                      help="tokens shared by consecutive chunks (new store; default 32)")  # fmt: skip
-    idx.add_argument("--mode", default=None, help="recovery mode the store encodes for (new store; default: default)")
+    idx.add_argument("--mode", default=None, help="recovery mode the store records (new store; default: fast, "
+                     "or prefix for a model without a trained splice adapter)")  # fmt: skip
     idx.add_argument("--index-kind", default=None, choices=["flat", "hnsw", "ivf"], help="new store; default flat")
     idx.add_argument("--kv-dtype", default=None, choices=["float32", "bfloat16", "float16"],
                      help="KV storage (new store; default: the model's KV dtype)")  # fmt: skip

@@ -24,7 +24,7 @@ from pc_rag.store.kvstore import STORAGE_DTYPES
 from pc_rag.store.manifest import MANIFEST_NAME, Manifest
 
 CREATION_DEFAULTS = {
-    "chunk_tokens": 256, "overlap": 32, "mode": "default", "index_kind": "flat", "kv_dtype": None, "codec": None,
+    "chunk_tokens": 256, "overlap": 32, "mode": None, "index_kind": "flat", "kv_dtype": None, "codec": None,
 }  # fmt: skip
 COMMIT_EVERY_CHUNKS = 512  # a killed `index` loses at most this much work
 

@@ -10,10 +10,11 @@ about retrieval, embeddings or storage: it receives chunks.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, replace
-from functools import partial
+from functools import cached_property, partial
 from uuid import uuid4
 
 import torch
@@ -37,7 +38,7 @@ from pc_rag.model import LoadedModel
 from pc_rag.model_call import ModelCall
 from pc_rag.rag.adapter import SpliceAdapter
 from pc_rag.rag.chunk import Chunk
-from pc_rag.rag.modes import RecoveryMode, resolve_mode
+from pc_rag.rag.modes import ADAPTER_FREE_MODE, DEFAULT_MODE, RecoveryMode, resolve_mode
 from pc_rag.rag.prompt import RagPrompt
 from pc_rag.rag.query_layout import Piece, QueryLayout, layout_query
 from pc_rag.rag.query_select import query_indices, question_attention
@@ -48,6 +49,8 @@ from pc_rag.runtime.request import Part, Refresh, Request
 from pc_rag.runtime.shared_pool import SegmentKey
 
 ENCODE_BATCH = 8
+
+logger = logging.getLogger(__name__)
 
 
 class RagEngine:
@@ -91,6 +94,18 @@ class RagEngine:
         self._stop_ids = eos_ids(lm.model, lm.tokenizer)
         self._buffers = BufferPool(lm.model)
 
+    @cached_property
+    def default_mode(self) -> str:
+        """The mode of a new store and of calls given none: ``DEFAULT_MODE``, or ``ADAPTER_FREE_MODE`` when the
+        model has no trained splice adapter (said once, as a warning)."""
+        if self.tuned.has_adapter():
+            return DEFAULT_MODE
+        logger.warning(
+            "no trained splice adapter for model %r (fingerprint %s): the default mode is %r instead of %r; "
+            "make one with `pc-rag tune`", self.lm.name, self.lm.fingerprint(), ADAPTER_FREE_MODE, DEFAULT_MODE,
+        )  # fmt: skip
+        return ADAPTER_FREE_MODE
+
     def tokenize(self, text: str) -> list[int]:
         return self.lm.tokenizer(text, add_special_tokens=False)["input_ids"]
 
@@ -98,9 +113,10 @@ class RagEngine:
         """A document as the prompt shows it (``index`` is 1-based)."""
         return self.prompt.passage(index, title, text)
 
-    def encode(self, texts: Sequence[str], mode: str | RecoveryMode = "default") -> list[Chunk]:
-        """Encode ``texts`` as chunks the way ``mode`` wants them (alone or after the preamble), in batches."""
-        conditioned = resolve_mode(mode).conditioned
+    def encode(self, texts: Sequence[str], mode: str | RecoveryMode | None = None) -> list[Chunk]:
+        """Encode ``texts`` as chunks the way ``mode`` (default: ``default_mode``) wants them (alone or after the
+        preamble), in batches."""
+        conditioned = self._mode(mode).conditioned
         return self.encode_token_ids([self.tokenize(t) for t in texts], conditioned, texts)
 
     def encode_token_ids(
@@ -136,25 +152,26 @@ class RagEngine:
         self,
         chunks: Sequence[Chunk],
         question: str,
-        mode: str | RecoveryMode = "default",
+        mode: str | RecoveryMode | None = None,
         *,
         reference_ids: Sequence[int] | None = None,
         **kwargs: object,
     ) -> GenerationResult:
-        """Answer from cached chunks with ``mode``'s recovery; kwargs are ``SamplingParams`` fields.
+        """Answer from cached chunks with ``mode``'s recovery (default: ``default_mode``); kwargs are
+        ``SamplingParams`` fields.
 
         With ``reference_ids`` the result's ``step_logits`` [1 + len(reference_ids), V] are teacher-forced:
         row j holds this mode's logits given its own cached prompt and ``reference_ids[:j]`` (row 0 is
         ``first_logits``). They are computed after the answer is timed, on its cache; the answer is unchanged.
         """
         pieces = self._pieces(chunks, question)
-        return collect(self._serve(pieces, resolve_mode(mode), reference_ids=reference_ids, **kwargs))
+        return collect(self._serve(pieces, self._mode(mode), reference_ids=reference_ids, **kwargs))
 
     def stream(
-        self, chunks: Sequence[Chunk], question: str, mode: str | RecoveryMode = "default", **kwargs: object
+        self, chunks: Sequence[Chunk], question: str, mode: str | RecoveryMode | None = None, **kwargs: object
     ) -> ReplyStream:
         """Like ``answer``, streaming text deltas; ``.result`` is set at the end."""
-        return ReplyStream(self._serve(self._pieces(chunks, question), resolve_mode(mode), **kwargs))
+        return ReplyStream(self._serve(self._pieces(chunks, question), self._mode(mode), **kwargs))
 
     def answer_full(
         self, chunks: Sequence[Chunk], question: str, *, reuse_preamble: bool = False, **kwargs: object
@@ -171,7 +188,7 @@ class RagEngine:
         before: str,
         chunks: Sequence[Chunk],
         after: str,
-        mode: str | RecoveryMode | None = "default",
+        mode: str | RecoveryMode | None,
         **kwargs: object,
     ) -> ReplyStream:
         """Serve a user turn of free text ``before`` the chunks and ``after`` them (the question).
@@ -188,7 +205,7 @@ class RagEngine:
         before: str,
         chunks: Sequence[Chunk],
         after: str,
-        mode: str | RecoveryMode | None = "default",
+        mode: str | RecoveryMode | None,
         **kwargs: object,
     ) -> Request:
         """``stream_around``'s turn as a serving ``Request``."""
@@ -232,11 +249,14 @@ class RagEngine:
         return serve_full(self.lm, self._buffers, ids, params, self._stop_ids, prefix)
 
     def request(
-        self, chunks: Sequence[Chunk], question: str, mode: str | RecoveryMode = "default", **kwargs: object
+        self, chunks: Sequence[Chunk], question: str, mode: str | RecoveryMode | None = None, **kwargs: object
     ) -> Request:
         """The answer to ``question`` from ``chunks`` as a serving ``Request`` (for ``serving.execute`` or a
         ``Scheduler``); kwargs are ``SamplingParams`` fields. Its clock starts now."""
-        return self._request(self._pieces(chunks, question), resolve_mode(mode), **kwargs)
+        return self._request(self._pieces(chunks, question), self._mode(mode), **kwargs)
+
+    def _mode(self, mode: str | RecoveryMode | None) -> RecoveryMode:
+        return resolve_mode(self.default_mode if mode is None else mode)
 
     def _serve(
         self, pieces: _Pieces, mode: RecoveryMode, reference_ids: Sequence[int] | None = None, **kwargs: object

@@ -53,7 +53,14 @@ MODES: dict[str, RecoveryMode] = {
     "fast": RecoveryMode("fast", adapter=True),  # no recompute: the splice adapter alone
 }
 MODES["default"] = RecoveryMode("default", ratio=0.25)  # selective:0.25: the cheapest budget keeping first-token
-# KL to full prefill near 0.05 in our measurements (README, speed-quality curve)
+# KL to full prefill near 0.05 (README, speed-quality curve). It was the default mode before issue 32 and keeps
+# its name: stores created then record "default" and still answer with it, and the eval results use the name.
+
+# What a new store and a call without a mode get (issue 32, examples/results/default_mode_choice.json): the
+# fastest mode whose F1 stays within noise of full prefill in the closed and open dev runs; a model without a
+# trained splice adapter gets the best mode that needs none.
+DEFAULT_MODE = "fast"
+ADAPTER_FREE_MODE = "prefix"
 
 # base -> budget field
 _BUDGETED = {"edge": "edge", "selective": "ratio", "hybrid": "ratio", "query": "ratio", "blend": "ratio"}

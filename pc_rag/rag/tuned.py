@@ -73,6 +73,13 @@ class Tuned:
                 self._adapter = adapter.attach(merged=True)
             return self._adapter
 
+    def has_adapter(self) -> bool:
+        """Whether ``adapter`` will find one (given to ``use``, or a file for this model's fingerprint)."""
+        with self._lock:
+            if self._adapter is not None:
+                return True
+        return any((d / adapter_file(self.fingerprint())).is_file() for d in tuned_dirs())
+
     def calibration(self) -> Calibration:
         with self._lock:
             if self._calibration is None:

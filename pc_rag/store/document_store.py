@@ -99,7 +99,7 @@ class DocumentStore:
         index_kind: str = "flat",
         chunk_tokens: int = 256,
         overlap_tokens: int = 32,
-        mode: str = "default",
+        mode: str | None = None,
         storage_dtype: torch.dtype | None = None,
         lru_bytes: int = DEFAULT_LRU_BYTES,
         codec: str | None = None,
@@ -108,8 +108,10 @@ class DocumentStore:
         """Start an empty store in ``directory`` (new, or empty), holding its writer lock (KV in ``storage_dtype``,
         or compressed: ``codec`` ``cachegen[:LEVEL[,LEVEL...]]`` needs the model's CacheGen tables). With
         ``modules`` (an address such as ``redis://host:6379/0``, or a ``ModuleStore``), chunk KV is kept there,
-        shared with every store built the same way, instead of in the directory."""
+        shared with every store built the same way, instead of in the directory. ``mode`` (default: the engine's
+        ``default_mode``) is recorded: the store answers with it for good unless a caller names another."""
         directory, storage_dtype = Path(directory), storage_dtype or engine.kv_dtype  # default: the engine's
+        mode = mode or engine.default_mode
         _refuse_existing(directory)
         if chunk_tokens < 1 or not 0 <= overlap_tokens < chunk_tokens:
             got = f"got {chunk_tokens} and {overlap_tokens}"

@@ -8,6 +8,7 @@ import pytest
 from pc_rag.eval.metrics import teacher_forced
 from pc_rag.model import LoadedModel
 from pc_rag.rag import RagEngine, RagPrompt
+from pc_rag.rag.modes import DEFAULT_MODE
 from pc_rag.rag.tuned import PACKAGED, adapter_file
 from pc_rag.sample import sample_questions
 
@@ -22,6 +23,10 @@ def engine(smollm2: LoadedModel) -> RagEngine:
 def test_the_packaged_adapter_is_for_the_bundled_model(engine: RagEngine) -> None:
     assert (PACKAGED / adapter_file(engine.lm.fingerprint())).is_file()
     assert engine.tuned.adapter().fingerprint == engine.lm.fingerprint()
+
+
+def test_the_bundled_model_gets_the_chosen_default_mode(engine: RagEngine) -> None:
+    assert engine.default_mode == DEFAULT_MODE == "fast"
 
 
 def test_fast_is_closer_to_full_prefill_than_plain_splicing(engine: RagEngine) -> None:
