@@ -24,7 +24,9 @@ class _Parser(argparse.ArgumentParser):
     """Argument errors as one line naming the problem (``pc-rag: error: …``, exit code 2), without the usage."""
 
     def error(self, message: str) -> NoReturn:
-        self.exit(2, f"pc-rag: error: {self.prog.removeprefix('pc-rag ')}: {message} (see --help)\n")
+        command = self.prog.removeprefix("pc-rag").strip()  # empty for the top-level parser
+        where = f"{command}: " if command else ""
+        self.exit(2, f"pc-rag: error: {where}{message} (see --help)\n")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -34,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default=None, choices=COMPUTE_DTYPE_NAMES,
                         help="compute dtype: float32, bfloat16, or int8 / int4 weights computing in bfloat16 "
                         "(default: the store's, else float32)")  # fmt: skip
-    parser.add_argument("-v", "--verbose", action="store_true")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log progress, with weight-loading progress bars")
     commands = parser.add_subparsers(dest="command", required=True)
     demo = commands.add_parser("demo", help="build a store from sample passages and answer, cached vs full")
     demo.add_argument("--questions", type=int, default=4)
@@ -48,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
                      "or prefix for a model without a trained splice adapter)")  # fmt: skip
     idx.add_argument("--index-kind", default=None, choices=["flat", "hnsw", "ivf"], help="new store; default flat")
     idx.add_argument("--kv-dtype", default=None, choices=["float32", "bfloat16", "float16"],
-                     help="KV storage (new store; default: the model's KV dtype)")  # fmt: skip
+                     help="KV storage (new store; default bfloat16, half of float32's size)")  # fmt: skip
     idx.add_argument("--codec", default=None, metavar="raw|cachegen[:LEVEL,...]",
                      help="compress the KV with CacheGen at these levels (new store; default raw)")  # fmt: skip
     idx.add_argument("--limit", type=_positive, default=None, help="index only the first N documents")
@@ -59,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     ask = commands.add_parser("ask", help="answer a question from a document store")
     ask.add_argument("question")
     ask.add_argument("--store", type=Path, required=True, help="store directory")
-    ask.add_argument("-k", type=_positive, default=5, help="chunks to retrieve (default 5)")
+    ask.add_argument("-k", "--k", type=_positive, default=5, help="chunks to retrieve (default 5)")
     ask.add_argument("--mode", default=None, help="recovery mode (default: the store's)")
     ask.add_argument("--full", action="store_true", help="also answer by full prefill and print its TTFT")
     ask.add_argument("--max-new-tokens", type=_positive, default=64, help="answer length limit (default 64)")
@@ -107,6 +109,14 @@ def main(argv: list[str] | None = None) -> int:
     serve_bench.add_argument("--shared-tokens", type=_positive, default=1024, help="tokens every request imports")
     serve_bench.add_argument("--new-tokens", type=_positive, default=32, help="tokens generated per request")
     serve_bench.add_argument("--json", type=Path, default=None, help="write the result as JSON here")
+    gpu = bench_kinds.add_parser("gpu", help="every GPU acceptance gate on a random-weight model of a real shape")
+    gpu.add_argument("--shape", default="llama-3b", help="llama-3b, llama-8b, qwen-7b, or tiny (a CPU check)")
+    gpu.add_argument("--tokenizer", type=Path, default=None, help="tokenizer directory (default: the bundled one)")
+    gpu.add_argument(
+        "--only", default=None, help="comma-separated sections (fidelity,ttft,rag,decode,attention,serving)"
+    )
+    gpu.add_argument("--runs", type=_positive, default=3, help="timed runs per figure (median is reported)")
+    gpu.add_argument("--json", type=Path, default=None, help="write device, commit, shape and gates as JSON here")
     scale = bench_kinds.add_parser("scaleout", help="encoding on Ray actors and TTFT from Redis, against local")
     scale.add_argument("--dataset", type=Path, required=True, help="multi-doc QA JSONL whose passages are indexed")
     scale.add_argument("--passages", type=_positive, default=600, help="distinct passages to index (default 600)")
@@ -124,8 +134,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
+    _loading_progress(args.verbose)
     if args.command == "eval":
         return _run_eval(args)
+    if args.command == "bench" and args.kind == "gpu":  # builds its own random-weight model
+        return _run_bench_gpu(args)
     from pc_rag.model import DEFAULT_MODEL, load_model
 
     if args.command == "bench" and args.kind in ("ttft", "peers"):
@@ -193,6 +206,16 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _loading_progress(verbose: bool) -> None:
+    """Weight-loading progress bars (transformers' ``Loading weights``) only with ``--verbose``."""
+    from transformers.utils import logging as transformers_logging
+
+    if verbose:
+        transformers_logging.enable_progress_bar()
+    else:
+        transformers_logging.disable_progress_bar()
+
+
 def _at_least(minimum: int) -> Callable[[str], int]:
     """An argparse type: an integer >= ``minimum``."""
 
@@ -211,6 +234,21 @@ def _at_least(minimum: int) -> Callable[[str], int]:
 
 
 _positive, _non_negative = _at_least(1), _at_least(0)
+
+
+def _run_bench_gpu(args: argparse.Namespace) -> int:
+    import json
+
+    from pc_rag.bench.gpu import default_tokenizer_dir, format_gates, run_gpu_bench
+
+    only = [s.strip() for s in args.only.split(",") if s.strip()] if args.only else None
+    tokenizer = args.tokenizer or default_tokenizer_dir()
+    result = run_gpu_bench(args.shape, args.device, tokenizer, only=only, runs=args.runs)
+    print(format_gates(result))
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=1, default=str) + "\n")
+    return 0
 
 
 def _run_bench(args: argparse.Namespace, lm: object) -> None:
