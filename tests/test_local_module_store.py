@@ -91,3 +91,10 @@ def test_compressed_modules_are_written_per_level_and_read_like_a_compressed_sto
                    [r.content_hash for _, r in sorted(store.manifest.chunks.items())], strict=True))  # fmt: skip
     for a, b in zip(expected, got, strict=True):  # level 5, decoded from the same CacheGen bytes
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_the_package_exports_it_as_the_docs_show() -> None:
+    import pc_rag.modules
+    from pc_rag.modules import LocalModuleStore as exported
+
+    assert exported is LocalModuleStore and "LocalModuleStore" in pc_rag.modules.__all__

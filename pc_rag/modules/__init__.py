@@ -6,6 +6,7 @@ from __future__ import annotations
 from pc_rag._lazy import lazy_exports
 
 _EXPORTS = {
+    "LocalModuleStore": "pc_rag.modules.local_store",
     "ModuleKey": "pc_rag.modules.keys",
     "ModuleStore": "pc_rag.modules.interface",
     "RedisModuleStore": "pc_rag.modules.redis_store",

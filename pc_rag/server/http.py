@@ -1,25 +1,38 @@
 """An OpenAI-compatible HTTP server over a ``PromptServer`` and a ``Scheduler`` (FastAPI).
 
-Routes: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions`` (JSON, or server-sent events
-with ``stream``; usage counts), and ``POST /v1/rag`` (a question answered from retrieved modules, with its sources
-and timings). Building a request (retrieval, the chunks' KV) is model work and runs on the scheduler's thread
-(``Scheduler.call``); decoding is batched across requests by the scheduler. Bad input answers 400, a full queue
-429 with ``Retry-After``, a closed scheduler 503, a module store that is unreachable or lost modules 503 with
-``Retry-After``, always as an OpenAI error body. This module knows nothing about
-attention or storage formats.
+Routes: ``GET /v1/models``, ``POST /v1/completions`` (continues the raw prompt), ``POST /v1/chat/completions``
+(JSON, or server-sent events with ``stream``; usage counts), and ``POST /v1/rag`` (a question answered from
+retrieved modules, with its sources and timings). Chat with a RAG model id (``model_ids``) answers the question
+from the store as ``/v1/rag`` does, its sources in the reply's ``sources``. Building a request (retrieval, the
+chunks' KV) is model work and runs on the scheduler's thread (``Scheduler.call``); decoding is batched across
+requests by the scheduler. Bad input (validation included) answers 400 naming the field, an unknown model or
+route 404, a full queue 429 with ``Retry-After``, a closed scheduler 503, a module store that is unreachable or
+lost modules 503 with ``Retry-After``, always as an OpenAI error body. This module knows nothing about attention
+or storage formats.
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from pc_rag.errors import ModuleStoreError, PCRagError, ServerBusyError
 from pc_rag.generate import GenerationResult, ReplyStream, collect
 from pc_rag.runtime.request import Request
-from pc_rag.server.openai_api import ChatBody, CompletionBody, RagBody, Reply, error_body
+from pc_rag.server.model_ids import ModelIds, ModelNotFoundError
+from pc_rag.server.openai_api import (
+    DEFAULT_K,
+    ChatBody,
+    CompletionBody,
+    RagBody,
+    Reply,
+    RequestError,
+    error_body,
+    validation_error_body,
+)
 from pc_rag.server.prompt_server import PromptServer
+from pc_rag.store.handles import ModuleHandle
 
 DEFAULT_MAX_TOKENS = 64
 
@@ -31,13 +44,36 @@ def create_app(server: PromptServer) -> Any:
         raise PCRagError("the HTTP app serves through a scheduler: build the PromptServer with one")
     try:
         from fastapi import FastAPI
+        from fastapi.exceptions import RequestValidationError
         from fastapi.responses import JSONResponse, StreamingResponse
+        from starlette.exceptions import HTTPException
     except ImportError as e:
         msg = "the HTTP server needs FastAPI and uvicorn: pip install 'pc-rag[serve]'"
         raise ImportError(msg) from e
 
     app = FastAPI(title="pc-rag", description="Prompt Cache RAG server, OpenAI-compatible")
-    model = server.model_name
+    ids = ModelIds(server.model_name, store=server.store is not None)
+
+    @app.exception_handler(RequestValidationError)
+    def invalid(_: object, e: RequestValidationError) -> JSONResponse:
+        return JSONResponse(validation_error_body(e.errors()), status_code=400)
+
+    @app.exception_handler(HTTPException)
+    def http_error(request: Any, e: HTTPException) -> JSONResponse:  # no such route or method
+        message = f"{request.method} {request.url.path}: {e.detail}"
+        return JSONResponse(error_body(message, code=str(e.status_code)), status_code=e.status_code, headers=e.headers)
+
+    @app.exception_handler(Exception)
+    def internal(_: object, e: Exception) -> JSONResponse:  # a bug: logged with its traceback by the server too
+        return JSONResponse(error_body(f"internal error: {e!r}", "server_error"), status_code=500)
+
+    @app.exception_handler(RequestError)
+    def refused(_: object, e: RequestError) -> JSONResponse:
+        return JSONResponse(error_body(str(e), param=e.param, code=e.code), status_code=400)
+
+    @app.exception_handler(ModelNotFoundError)
+    def no_model(_: object, e: ModelNotFoundError) -> JSONResponse:
+        return JSONResponse(error_body(str(e), param="model", code="model_not_found"), status_code=404)
 
     @app.exception_handler(ServerBusyError)
     def busy(_: object, e: ServerBusyError) -> JSONResponse:
@@ -55,20 +91,34 @@ def create_app(server: PromptServer) -> Any:
 
     @app.get("/v1/models")
     def models() -> dict[str, object]:
-        return {"object": "list", "data": [{"id": model, "object": "model", "owned_by": "pc-rag"}]}
+        listed = [{"id": i, "object": "model", "created": 0, "owned_by": "pc-rag"} for i in ids.listed()]
+        return {"object": "list", "data": listed}
 
     @app.post("/v1/completions")
     def completions(body: CompletionBody) -> Any:
+        route = ids.route(body.model)
+        if route.rag:
+            msg = f"the model {route.id} answers chat: use /v1/chat/completions, or the model {ids.model} here"
+            raise RequestError(msg, "model")
         sampling = body.sampling(DEFAULT_MAX_TOKENS)
-        request = scheduler.call(lambda: server.request(body.text(), **sampling))
-        return _respond(Reply(model, chat=False), request, body.stream, body.include_usage)
+        request = scheduler.call(lambda: server.request_text(body.text(), **sampling))
+        return _respond(Reply(route.id, chat=False), request, body.stream, body.include_usage)
 
     @app.post("/v1/chat/completions")
     def chat(body: ChatBody) -> Any:
+        route = ids.route(body.model)
         sampling = body.sampling(DEFAULT_MAX_TOKENS)
+        if route.rag:
+            question, k = body.question(route.id), body.k or DEFAULT_K
+            handles, request = scheduler.call(lambda: server.rag_request(question, k, route.mode, **sampling))
+            return _respond(
+                Reply(route.id, True, {"sources": _sources(handles)}), request, body.stream, body.include_usage
+            )
+        if body.k is not None:
+            raise RequestError(f"k retrieves from the store: use the model {ids.model}+rag", "k")
         system, turns = body.conversation()
         request = scheduler.call(lambda: server.request_chat(turns, system, **sampling))
-        return _respond(Reply(model, chat=True), request, body.stream, body.include_usage)
+        return _respond(Reply(route.id, chat=True), request, body.stream, body.include_usage)
 
     @app.post("/v1/rag")
     def rag(body: RagBody) -> dict[str, object]:
@@ -78,9 +128,7 @@ def create_app(server: PromptServer) -> Any:
         result = answer.result
         return {
             "answer": answer.text,
-            "sources": [
-                {"chunk_id": h.chunk_id, "doc_id": h.doc_id, "score": h.score, "text": h.text} for h in answer.sources
-            ],
+            "sources": _sources(answer.sources),
             "timings": {"ttft_ms": result.stats.ttft_ms, "total_ms": result.stats.total_ms},
             "usage": {
                 "cached_tokens": result.stats.cached_tokens, "computed_tokens": result.stats.computed_tokens,
@@ -101,6 +149,10 @@ def create_app(server: PromptServer) -> Any:
         )
 
     return app
+
+
+def _sources(handles: Sequence[ModuleHandle]) -> list[dict[str, object]]:
+    return [{"chunk_id": h.chunk_id, "doc_id": h.doc_id, "score": h.score, "text": h.text} for h in handles]
 
 
 def _result_of(stream: ReplyStream) -> Callable[[], GenerationResult]:

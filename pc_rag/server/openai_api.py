@@ -1,8 +1,11 @@
-"""The OpenAI wire format: request bodies (pydantic, unknown fields ignored) and the JSON and SSE replies.
+"""The OpenAI wire format: request bodies (pydantic, unknown fields ignored), the JSON and SSE replies, and error
+bodies (``{"error": {"message", "type", "param", "code"}}``).
 
 Only what this server honours is read: prompt or messages, ``max_tokens``, ``temperature``, ``top_p``, ``seed``,
-``stop``, ``stream`` (and ``stream_options.include_usage``). ``n`` above 1 and log-probabilities are refused
-rather than silently ignored. This module knows nothing about models or scheduling.
+``stop``, ``stream`` (and ``stream_options.include_usage``), and ``k`` (chunks to retrieve, for the RAG model ids).
+Fields whose meaning this server does not carry out (``n`` above 1, log-probabilities, tools, penalties, ...) are
+refused by validation, naming the field, rather than silently ignored; fields that change nothing (``user``,
+``stream_options``, ...) are accepted. This module knows nothing about models or scheduling.
 """
 
 from __future__ import annotations
@@ -10,13 +13,31 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic_core import PydanticCustomError
 
 from pc_rag.errors import PCRagError
 from pc_rag.generate import GenerationResult
+from pc_rag.rag.modes import MODES, is_mode
+
+INVALID = "invalid_request_error"
+DEFAULT_K = 5  # chunks retrieved when a RAG request names no k
+
+
+class RequestError(PCRagError):
+    """A request this server refuses, with the body field at fault (``param``): an HTTP server answers 400."""
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.param, self.code = param, code
+
+
+def _unsupported(why: str) -> PydanticCustomError:
+    """A validation error for a value this server does not serve (the field is named where it is reported)."""
+    return PydanticCustomError("unsupported", "{why}", {"why": why})
 
 
 class _Body(BaseModel):
@@ -31,15 +52,46 @@ class _Body(BaseModel):
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: dict[str, object] | None = None
+    # accepted only at the value that changes nothing: what this server does not do is refused, naming the field
     n: int = 1
+    best_of: int = 1
     logprobs: bool | int | None = None
+    top_logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+    logit_bias: dict[str, float] | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    tools: list[object] | None = None
+    functions: list[object] | None = None
+    response_format: dict[str, object] | None = None
+
+    @field_validator("n", "best_of")
+    @classmethod
+    def _one_choice(cls, value: int) -> int:
+        if value != 1:
+            raise _unsupported("this server returns one choice per request")
+        return value
+
+    @field_validator(
+        "logprobs", "top_logprobs", "echo", "suffix", "logit_bias", "presence_penalty", "frequency_penalty",
+        "tools", "functions",
+    )  # fmt: skip
+    @classmethod
+    def _not_done(cls, value: object) -> object:
+        if value:
+            raise _unsupported("not supported by this server; leave it out")
+        return value
+
+    @field_validator("response_format")
+    @classmethod
+    def _text_only(cls, value: dict[str, object] | None) -> dict[str, object] | None:
+        if value and value.get("type", "text") != "text":
+            raise _unsupported(f"{value.get('type')!r} is not supported; this server answers text")
+        return value
 
     def sampling(self, default_max_tokens: int) -> dict[str, object]:
-        """``SamplingParams`` fields; ``PCRagError`` for what this server does not do."""
-        if self.n != 1:
-            raise PCRagError(f"n={self.n}: this server returns one choice per request")
-        if self.logprobs:
-            raise PCRagError("log-probabilities are not returned by this server")
+        """``SamplingParams`` fields."""
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         settings: dict[str, object] = {
             "max_new_tokens": self.max_completion_tokens or self.max_tokens or default_max_tokens,
@@ -57,12 +109,15 @@ class _Body(BaseModel):
 class CompletionBody(_Body):
     prompt: str | list[str]
 
+    @field_validator("prompt")
+    @classmethod
+    def _one_prompt(cls, value: str | list[str]) -> str | list[str]:
+        if isinstance(value, list) and len(value) != 1:
+            raise _unsupported(f"{len(value)} prompts in one request; send one prompt per request")
+        return value
+
     def text(self) -> str:
-        if isinstance(self.prompt, list):
-            if len(self.prompt) != 1:
-                raise PCRagError(f"{len(self.prompt)} prompts in one request: send one prompt per request")
-            return self.prompt[0]
-        return self.prompt
+        return self.prompt[0] if isinstance(self.prompt, list) else self.prompt
 
 
 class Message(BaseModel):
@@ -71,17 +126,31 @@ class Message(BaseModel):
     role: Literal["system", "user", "assistant"]
     content: str | list[dict[str, object]]
 
+    @field_validator("content")
+    @classmethod
+    def _text_parts(cls, value: str | list[dict[str, object]]) -> str | list[dict[str, object]]:
+        if isinstance(value, list) and any(p.get("type") != "text" for p in value):
+            raise _unsupported("only text parts are supported")
+        return value
+
     def text(self) -> str:
         if isinstance(self.content, str):
             return self.content
-        parts = [p for p in self.content if p.get("type") == "text"]
-        if len(parts) != len(self.content):
-            raise PCRagError("only text content is supported")
-        return "".join(str(p.get("text", "")) for p in parts)
+        return "".join(str(p.get("text", "")) for p in self.content)
 
 
 class ChatBody(_Body):
     messages: list[Message] = Field(min_length=1)
+    k: int | None = Field(default=None, ge=1, le=100)  # chunks to retrieve, for the RAG model ids
+
+    @field_validator("messages")
+    @classmethod
+    def _one_conversation(cls, messages: list[Message]) -> list[Message]:
+        if any(m.role == "system" for m in messages[1:]):
+            raise _unsupported("a system message is only supported first")
+        if messages and messages[-1].role != "user":
+            raise _unsupported("the conversation must end with a user message")
+        return messages
 
     def conversation(self) -> tuple[str | None, list[tuple[str, str]]]:
         """(system prompt or None, the user/assistant turns)."""
@@ -89,20 +158,33 @@ class ChatBody(_Body):
         system = None
         if messages[0].role == "system":
             system, messages = messages[0].text(), messages[1:]
-        if any(m.role == "system" for m in messages):
-            raise PCRagError("a system message is only supported first")
-        if not messages or messages[-1].role != "user":
-            raise PCRagError("the conversation must end with a user message")
         return system, [(m.role, m.text()) for m in messages]
+
+    def question(self, model: str) -> str:
+        """The one user message the RAG model ``model`` answers; ``RequestError`` for anything more."""
+        if len(self.messages) != 1:
+            msg = (
+                f"the model {model} answers one user message from the store ({len(self.messages)} messages sent); "
+                "send the question alone, or converse with the plain model"
+            )
+            raise RequestError(msg, "messages")
+        return self.messages[0].text()
 
 
 class RagBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     question: str = Field(min_length=1)
-    k: int = Field(default=5, ge=1, le=100)
+    k: int = Field(default=DEFAULT_K, ge=1, le=100)
     mode: str | None = None
     max_tokens: int = Field(default=64, ge=1)
+
+    @field_validator("mode")
+    @classmethod
+    def _known_mode(cls, mode: str | None) -> str | None:
+        if mode is not None and not is_mode(mode):
+            raise _unsupported(f"unknown recovery mode; use a mode such as {', '.join(MODES)} or edge:32")
+        return mode
 
 
 def finish_reason(result: GenerationResult, max_new_tokens: int) -> str:
@@ -116,10 +198,12 @@ def usage(result: GenerationResult) -> dict[str, int]:
 
 
 class Reply:
-    """One response's identity and the builders of its JSON bodies (``chat`` or text completion)."""
+    """One response's identity and the builders of its JSON bodies (``chat`` or text completion); ``extra``
+    fields (a RAG answer's sources, chat only) go into the whole body, or the first chunk of a stream."""
 
-    def __init__(self, model: str, chat: bool) -> None:
-        self.model, self.chat = model, chat
+    def __init__(self, model: str, chat: bool, extra: Mapping[str, object] | None = None) -> None:
+        self.model, self.chat, self.extra = model, chat, dict(extra or {})
+        assert chat or not self.extra, "a text completion's stream has no opening chunk for extra fields"
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.object = "chat.completion" if chat else "text_completion"
@@ -130,7 +214,7 @@ class Reply:
             choice["message"] = {"role": "assistant", "content": result.text}
         else:
             choice |= {"text": result.text, "logprobs": None}
-        return self._body(self.object, [choice]) | {"usage": usage(result)}
+        return self._body(self.object, [choice]) | {"usage": usage(result)} | self.extra
 
     def events(
         self, deltas: Iterator[str], result: Callable[[], GenerationResult], max_new_tokens: int, with_usage: bool
@@ -138,7 +222,8 @@ class Reply:
         """Server-sent events: a chunk per text delta, a last chunk with the finish reason, usage if asked, [DONE]."""
         kind = "chat.completion.chunk" if self.chat else "text_completion"
         if self.chat:
-            yield _event(self._body(kind, [{"index": 0, "delta": {"role": "assistant"}, "finish_reason": None}]))
+            opener = [{"index": 0, "delta": {"role": "assistant"}, "finish_reason": None}]
+            yield _event(self._body(kind, opener) | self.extra)
         for delta in deltas:
             yield _event(self._body(kind, [self._delta(delta, None)]))
         final: GenerationResult = result()
@@ -156,8 +241,35 @@ class Reply:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": choices}
 
 
-def error_body(message: str, kind: str) -> dict[str, object]:
-    return {"error": {"message": message, "type": kind, "param": None, "code": None}}
+def error_body(
+    message: str, kind: str = INVALID, param: str | None = None, code: str | None = None
+) -> dict[str, object]:
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def validation_error_body(errors: Sequence[Mapping[str, object]]) -> dict[str, object]:
+    """The first of pydantic's validation ``errors`` of a request body as an OpenAI error naming its field."""
+    error = errors[0]
+    where = [p for p in error["loc"] if not _is_type_tag(p)][1:]  # type: ignore[attr-defined]  # after "body"
+    kind = str(error["type"])
+    if kind == "json_invalid":
+        reason = error.get("ctx", {}).get("error", error["msg"])  # type: ignore[attr-defined]
+        at = f" at character {where[0]}" if where else ""
+        return error_body(f"the request body is not valid JSON: {reason}{at}", code="invalid_json")
+    if not where:
+        return error_body(f"the request body must be a JSON object: {error['msg']}", code="invalid_type")
+    param = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in where).lstrip(".")
+    if kind == "missing":
+        return error_body(f"{param} is required", param=param, code="missing_required_parameter")
+    got = error.get("input")
+    shown = f" (got {json.dumps(got)})" if isinstance(got, int | float | str | bool) else ""
+    code = "unsupported_value" if kind == "unsupported" else "invalid_value"
+    return error_body(f"{param}: {error['msg']}{shown}", param=param, code=code)
+
+
+def _is_type_tag(part: object) -> bool:
+    """Whether a location part names a member of a union (``str``, ``list[str]``) rather than a field."""
+    return isinstance(part, str) and (not part.isidentifier() or part in {"str", "int", "float", "bool", "list"})
 
 
 def _event(body: dict[str, object]) -> str:

@@ -5,7 +5,8 @@ A question is answered from the store's retrieved modules (``answer``; ``answer_
 by full prefill). A prompt string is served by the cheapest correct path: a PML ``<prompt …>`` goes to the
 Prompt Cache engine (its schema's modules are reused) when the caller gave one; text with signed module
 references splices the referenced chunks from the store; any other text is served by full prefill through
-the model's chat template, so the adapters are always correct LLMs. Requests run alone or, with a
+the model's chat template, so the adapters are always correct LLMs. A text completion (``request_text``) is the
+one exception: it continues the raw text, with no template around it. Requests run alone or, with a
 ``Scheduler``, batched with everyone else's. The store only stores: answering lives here. This module knows
 nothing about LangChain or LlamaIndex.
 """
@@ -139,6 +140,22 @@ class PromptServer:
                 before, chunks, after, None if full else self._mode(mode), **sampling
             )
         return self._turns_request(self.system, [("user", prompt)], sampling)
+
+    def request_text(self, text: str, **sampling: object) -> Request:
+        """``text`` continued as it stands (a text completion): the tokenizer's own encoding of it, leading special
+        tokens included and no chat template, by full prefill. PML goes to the Prompt Cache as ``request`` does;
+        module references are refused (they are spliced into a chat turn: ``request``/``request_chat``)."""
+        _check_settings(sampling)
+        if self.prompt_cache is not None and text.lstrip().startswith("<prompt"):
+            return self.request(text, **sampling)
+        if split_module_prompt(text).refs:
+            msg = "module references are served in a chat turn, not continued as raw text: send them as a chat message"
+            raise PCRagError(msg)
+        ids = self.lm.tokenizer(text)["input_ids"]
+        if not ids:
+            msg = "the prompt is empty and this tokenizer adds no start token: send text to continue"
+            raise PCRagError(msg)
+        return full_request(ids, SamplingParams(**sampling))  # type: ignore[arg-type]
 
     def _mode(self, mode: str | None) -> str:
         return mode or self.mode or self._require_store("a recovery mode").mode

@@ -23,6 +23,7 @@ from pc_rag.server.http import create_app
 from pc_rag.server.prompt_server import PromptServer
 
 QUESTION = "Where does the Danube end?"
+MODEL = "tiny-llama"  # the plain model id: no retrieval by the server
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +53,7 @@ def _client(url: str) -> openai.OpenAI:
 def test_chat_completion_equals_the_engine_alone_and_counts_usage(served) -> None:
     url, alone = served
     reply = _client(url).chat.completions.create(
-        model="any", messages=[{"role": "user", "content": QUESTION}], max_tokens=8
+        model=MODEL, messages=[{"role": "user", "content": QUESTION}], max_tokens=8
     )
     expected = alone.stream_chat([("user", QUESTION)], max_new_tokens=8)
     text = "".join(expected)
@@ -67,17 +68,17 @@ def test_streamed_chat_is_the_same_text_in_pieces_with_usage_last(served) -> Non
     url, _ = served
     client = _client(url)
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": QUESTION}]
-    whole = client.chat.completions.create(model="any", messages=messages, max_tokens=8)
+    whole = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8)
     chunks = list(
         client.chat.completions.create(
-            model="any", messages=messages, max_tokens=8, stream=True, stream_options={"include_usage": True}
+            model=MODEL, messages=messages, max_tokens=8, stream=True, stream_options={"include_usage": True}
         )
     )
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == whole.choices[0].message.content
     assert chunks[-1].usage.total_tokens == whole.usage.total_tokens and not chunks[-1].choices
 
 
-def test_completions_serve_module_references_and_concurrent_clients_get_serial_answers(served) -> None:
+def test_chat_serves_module_references_and_concurrent_clients_get_serial_answers(served) -> None:
     url, alone = served
     store = alone.store
     prompts = [
@@ -86,12 +87,13 @@ def test_completions_serve_module_references_and_concurrent_clients_get_serial_a
     ]
     serial = ["".join(alone.stream(p, max_new_tokens=6)) for p in prompts]
     client = _client(url)
+
+    def ask(prompt: str) -> str | None:
+        messages = [{"role": "user", "content": prompt}]
+        return client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6).choices[0].message.content
+
     with ThreadPoolExecutor(max_workers=16) as pool:
-        texts = list(
-            pool.map(
-                lambda p: client.completions.create(model="any", prompt=p, max_tokens=6).choices[0].text, prompts * 16
-            )
-        )
+        texts = list(pool.map(ask, prompts * 16))
     assert texts == serial * 16  # 64 requests from 16 client threads: none lost, each as served alone
 
 
@@ -108,12 +110,12 @@ def test_what_the_server_cannot_do_is_refused_with_the_right_status(served) -> N
     url, _ = served
     client = _client(url)
     with pytest.raises(openai.BadRequestError, match="one choice"):
-        client.chat.completions.create(model="any", messages=[{"role": "user", "content": "hi"}], n=2)
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], n=2)
     with pytest.raises(openai.BadRequestError, match="end with a user message"):
-        client.chat.completions.create(model="any", messages=[{"role": "assistant", "content": "hi"}])
+        client.chat.completions.create(model=MODEL, messages=[{"role": "assistant", "content": "hi"}])
     with pytest.raises(openai.BadRequestError, match=r"reaches position"):
-        client.completions.create(model="any", prompt="word " * 5000, max_tokens=4)
-    assert httpx.post(f"{url}/rag", json={"question": ""}).status_code == 422
+        client.completions.create(model=MODEL, prompt="word " * 5000, max_tokens=4)
+    assert httpx.post(f"{url}/rag", json={"question": ""}).status_code == 400
 
 
 def test_a_full_queue_answers_429(tokenizer, monkeypatch) -> None:
@@ -135,7 +137,7 @@ def test_langchain_chat_openai_pointed_at_the_server_gets_the_same_answers(serve
     from langchain_openai import ChatOpenAI
 
     url, alone = served
-    chat = ChatOpenAI(base_url=url, api_key="unused", model="any", max_tokens=8, temperature=0, max_retries=0)
+    chat = ChatOpenAI(base_url=url, api_key="unused", model=MODEL, max_tokens=8, temperature=0, max_retries=0)
     expected = "".join(alone.stream_chat([("user", QUESTION)], max_new_tokens=8))
     assert chat.invoke([HumanMessage(QUESTION)]).content == expected
     assert "".join(chunk.content for chunk in chat.stream([HumanMessage(QUESTION)])) == expected
