@@ -5,16 +5,19 @@ The multi-process side (kill -9, readers during an index) is ``test_store_crash.
 
 from __future__ import annotations
 
+import itertools
 import json
 import threading
 
+import numpy as np
 import pytest
 from conftest import tiny_model
-from test_document_store import DOCS, embedder, make_store
+from test_document_store import DOCS, bag_of_words, embedder, make_store
 
 from pc_rag.errors import StoreCorruptedError, StoreError, StoreLockedError
 from pc_rag.rag import RagEngine, RagPrompt
 from pc_rag.server.prompt_server import PromptServer
+from pc_rag.store import as_embedder
 from pc_rag.store.document_store import DocumentStore
 from pc_rag.store.files import LEGACY_INDEX_NAME
 from pc_rag.store.manifest import FORMAT_VERSION
@@ -188,3 +191,30 @@ def test_a_format_1_store_loads_and_is_upgraded_by_its_next_commit(tmp_path, eng
     assert not (tmp_path / "store" / LEGACY_INDEX_NAME).exists()
     assert json.loads((tmp_path / "store" / "manifest.json").read_text())["format_version"] == FORMAT_VERSION
     load(tmp_path, engine).verify()
+
+
+def test_an_add_also_commits_by_time_so_an_interrupted_one_keeps_what_it_encoded(tmp_path, engine) -> None:
+    store = DocumentStore.create(tmp_path / "store", engine, embedder=embedder(), chunk_tokens=24, overlap_tokens=4)
+    ticks = itertools.count(step=31.0)  # each reading of the clock is 31 s after the one before
+    embedded: list[int] = []
+
+    def interrupted(texts: list[str]) -> np.ndarray:
+        if len(embedded) == 2:
+            raise KeyboardInterrupt  # killed during the third batch of chunks
+        embedded.append(len(texts))
+        return bag_of_words(texts)
+
+    store.embedder = as_embedder(interrupted, name="test-bag-of-words")
+    docs = [f"Note {i} about the river Rhine." for i in range(100)]  # far fewer chunks than commit_every
+    with pytest.raises(KeyboardInterrupt):
+        store.add_documents(docs, progress=False, commit_every=512, commit_seconds=30, clock=lambda: next(ticks))
+    store.close()
+    reopened = load(tmp_path, engine)
+    kept = len(reopened.manifest.chunks)
+    assert kept == sum(embedded) > 0 and reopened.manifest.generation >= 3  # a commit after each part
+    assert "sound" in reopened.verify()
+    reopened.embedder = embedder()
+    before = reopened.manifest.next_chunk_id()
+    reopened.add_documents(docs, progress=False)  # the rerun encodes only what the interrupted one had not
+    assert reopened.manifest.next_chunk_id() - before == len(reopened.manifest.chunks) - kept
+    reopened.close()

@@ -14,7 +14,8 @@ from __future__ import annotations
 import hashlib
 import logging
 import threading
-from collections.abc import Iterable, Sequence
+import time
+from collections.abc import Callable, Iterable, Sequence
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -32,17 +33,18 @@ from pc_rag.rag.order import BEST_FIRST, reorder
 from pc_rag.store._atomic import sha256_file
 from pc_rag.store.chunk_encoding import ChunkWorkers, encode_again, encode_and_index, module_text
 from pc_rag.store.chunk_kv import ChunkKV, open_chunk_kv
-from pc_rag.store.chunking import commit_parts, split_text
+from pc_rag.store.chunking import split_text
 from pc_rag.store.codec_setup import install_codec, open_codec, parse_codec
+from pc_rag.store.commit_schedule import CommitSchedule
 from pc_rag.store.committed import manifest_stamp, read_commit
 from pc_rag.store.consistency import RepairReport, check_contents, repair_contents
 from pc_rag.store.embeddings import Embedder, SentenceTransformerEmbedder, as_embedder
-from pc_rag.store.files import bytes_on_disk, check_store_directory, index_name, remove_unlisted
+from pc_rag.store.files import bytes_on_disk, index_name, refuse_existing, remove_unlisted
 from pc_rag.store.handles import ModuleHandle
 from pc_rag.store.identity import serving_assumptions, storage_dtype, store_identity, warn_if_serving_changed
 from pc_rag.store.index import VectorIndex
 from pc_rag.store.kvstore import DEFAULT_LRU_BYTES
-from pc_rag.store.manifest import MANIFEST_NAME, ChunkRecord, DocRecord, IndexRecord, Manifest
+from pc_rag.store.manifest import MANIFEST_NAME, ChunkRecord, DocRecord, IndexRecord, Manifest, text_hash
 from pc_rag.store.module_kv import ModuleKV
 from pc_rag.store.writer_lock import WriterLock
 
@@ -112,7 +114,7 @@ class DocumentStore:
         ``default_mode``) is recorded: the store answers with it for good unless a caller names another."""
         directory, storage_dtype = Path(directory), storage_dtype or engine.kv_dtype  # default: the engine's
         mode = mode or engine.default_mode
-        _refuse_existing(directory)
+        refuse_existing(directory)
         if chunk_tokens < 1 or not 0 <= overlap_tokens < chunk_tokens:
             got = f"got {chunk_tokens} and {overlap_tokens}"
             msg = f"chunk_tokens must be >= 1 and 0 <= overlap_tokens < chunk_tokens: {got}"
@@ -130,7 +132,7 @@ class DocumentStore:
         store = cls(directory, engine, manifest, kv, VectorIndex(embedder.dim, index_kind), embedder, mode)
         store._writer.acquire()
         try:
-            _refuse_existing(directory)  # another process may have created it between our check and the lock
+            refuse_existing(directory)  # another process may have created it between our check and the lock
         except StoreError:
             store.close()
             raise
@@ -317,6 +319,8 @@ class DocumentStore:
         *,
         progress: bool = True,
         commit_every: int = 0,
+        commit_seconds: float = 0.0,
+        clock: Callable[[], float] = time.monotonic,
         workers: ChunkWorkers | None = None,
     ) -> list[str]:
         """Chunk, encode, embed and index ``documents`` (texts or ``(text, metadata)``); return their ids.
@@ -324,12 +328,14 @@ class DocumentStore:
         An existing id is replaced (``update``), unless its text and metadata are unchanged: then it is skipped.
         A replaced document keeps its old version until the new one is committed. Empty documents are
         rejected before anything is written. With ``commit_every`` > 0, a commit follows every that many
-        chunks (at document boundaries), so an interrupted run keeps its progress and a rerun resumes.
+        chunks, and with ``commit_seconds`` > 0 the first document boundary after that many seconds (of ``clock``)
+        since the last commit, whichever comes first, so an interrupted run keeps its progress and a rerun
+        resumes; what was added before an exception is committed before it propagates.
         ``workers`` (e.g. ``pc_rag.scaleout.RayChunkWorkers``) encode and embed in other processes, into the
         store's module store.
         """
         docs = [(d, {}) if isinstance(d, str) else (d[0], dict(d[1])) for d in documents]
-        ids = list(ids) if ids is not None else [_doc_id(text) for text, _ in docs]
+        ids = list(ids) if ids is not None else [text_hash(text) for text, _ in docs]
         if len(ids) != len(docs) or len(set(ids)) != len(ids):
             msg = "document ids must be unique and one per document"
             raise StoreError(msg)
@@ -347,9 +353,17 @@ class DocumentStore:
             pieces = [p for p in pieces if not self.is_current(p[0], p[1], p[2])]
             total = sum(len(p[3]) for p in pieces)
             bar = tqdm(total=total, desc="encoding chunks", unit="chunk", disable=not progress or not total)
-            for part in commit_parts(pieces, commit_every):
-                self._add_part(part, bar, workers)
-            bar.close()
+            schedule = CommitSchedule(commit_every, commit_seconds, clock)
+            try:
+                for part in schedule.parts(pieces):
+                    self._add_part(part, bar, workers)
+                    if schedule.added(part):
+                        self.commit()
+                        schedule.committed()
+            finally:
+                bar.close()
+                if schedule.pending:  # the parts added since the last commit, also when a later one failed
+                    self.commit()
         return ids
 
     def is_current(self, doc_id: str, text: str, metadata: dict[str, Any] | None = None) -> bool:
@@ -360,7 +374,7 @@ class DocumentStore:
     def _add_part(
         self, pieces: list[tuple[str, str, dict[str, Any], list[Any]]], bar: tqdm, workers: ChunkWorkers | None
     ) -> None:
-        """Encode and index ``pieces``, then swap them in for their old versions and commit."""
+        """Encode and index ``pieces``, then swap them in for their old versions (the caller commits)."""
         fresh = iter(self.manifest.reserve_chunk_ids(sum(len(spans) for *_, spans in pieces)))
         records: dict[int, ChunkRecord] = {}
         token_ids: dict[int, list[int]] = {}  # tokenized once: counted for the manifest, then encoded
@@ -381,7 +395,6 @@ class DocumentStore:
         self._forget([d for d in new_docs if d in self.manifest.docs])
         self.manifest.docs.update(new_docs)
         self.manifest.chunks.update(records)
-        self.commit()
 
     def delete(self, doc_ids: Iterable[str], *, save: bool = True) -> int:
         """Remove documents and their chunks; return how many chunks were removed. Unknown ids raise.
@@ -479,17 +492,6 @@ class DocumentStore:
             msg = f"the prompt references chunks of store(s) {foreign}, but this store is {self.store_id}"
             raise StoreError(msg)
         return parsed.before, self.chunks([self.handle(cid) for _, cid in parsed.refs]), parsed.after
-
-
-def _doc_id(text: str) -> str:
-    return _sha256(text)[:16]
-
-
-def _refuse_existing(directory: Path) -> None:
-    """``StoreError`` unless ``directory`` can take a new store (new, or empty)."""
-    if check_store_directory(directory):
-        msg = f"{directory} already holds a store; use DocumentStore.load"
-        raise StoreError(msg)
 
 
 def _sha256(text: str) -> str:

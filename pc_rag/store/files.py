@@ -82,6 +82,13 @@ def check_store_directory(directory: Path, *, for_new_store: bool = True) -> boo
     return False
 
 
+def refuse_existing(directory: Path) -> None:
+    """``StoreError`` unless ``directory`` can take a new store (new, or empty)."""
+    if check_store_directory(directory):
+        msg = f"{directory} already holds a store; use DocumentStore.load"
+        raise StoreError(msg)
+
+
 def remove_unlisted(directory: Path, listed: set[str]) -> int:
     """Delete the files ``unlisted`` names (only a writer holding the lock may); return how many."""
     stray = unlisted(directory, listed)
