@@ -23,6 +23,9 @@ def files(tmp_path, monkeypatch):
     (tmp_path / "latin1.txt").write_bytes("caf\xe9".encode("latin-1"))
     (tmp_path / "broken.jsonl").write_text('{"text": "fine"}\n{"text": \n')
     (tmp_path / "bad-meta.jsonl").write_text('{"text": "fine", "metadata": [1, 2]}\n')
+    (tmp_path / "dup.jsonl").write_text(
+        '{"id": "a", "text": "one"}\n{"id": "b", "text": "two"}\n{"id": "a", "text": "1"}\n'
+    )
     (tmp_path / "a-file").write_text("not a store")
     (tmp_path / "mine").mkdir()
     (tmp_path / "mine" / "notes.txt").write_text("the user's own file")
@@ -36,6 +39,7 @@ CASES = [
     (["index", "{tmp}/latin1.txt", "--store", "{tmp}/s"], "latin1.txt is not UTF-8"),
     (["index", "{tmp}/broken.jsonl", "--store", "{tmp}/s"], "broken.jsonl:2: invalid JSON"),
     (["index", "{tmp}/bad-meta.jsonl", "--store", "{tmp}/s"], "bad-meta.jsonl:1: 'metadata' must be an object"),
+    (["index", "{tmp}/dup.jsonl", "--store", "{tmp}/s"], "dup.jsonl:3: id 'a' is also the id of {tmp}/dup.jsonl:1"),
     (["index", "{tmp}/ok.txt", "--store", "{tmp}/s", "--chunk-tokens", "0"], "--chunk-tokens: must be at least 1"),
     (["index", "{tmp}/ok.txt", "--store", "{tmp}/s", "--chunk-tokens", "x"], "--chunk-tokens: not an integer"),
     (["index", "{tmp}/ok.txt", "--store", "{tmp}/s", "--overlap", "-1"], "--overlap: must be at least 0"),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -39,3 +40,29 @@ def test_bad_files_are_refused_with_their_name(tmp_path, name: str, content: byt
 def test_missing_path(tmp_path) -> None:
     with pytest.raises(StoreError, match="no such file"):
         read_documents([tmp_path / "missing.txt"])
+
+
+def test_two_rows_with_one_id_are_refused_naming_both_lines_unless_identical(tmp_path) -> None:
+    rows = [{"id": "a", "text": "One."}, {"id": "b", "text": "Two."}, {"id": "a", "text": "One, edited."}]
+    (tmp_path / "c.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    with pytest.raises(StoreError, match=re.escape(f"c.jsonl:3: id 'a' is also the id of {tmp_path}/c.jsonl:1")):
+        read_documents([tmp_path / "c.jsonl"])
+    rows = [{"id": "a", "text": "One.", "k": 1}, {"id": "b", "text": "Two."}, {"id": "a", "text": "One.", "k": 1}]
+    (tmp_path / "c.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    assert [d.id for d in read_documents([tmp_path / "c.jsonl"])] == ["a", "b"]  # identical rows: read once
+    rows[2]["k"] = 2  # same text, other metadata: one of them would be lost
+    (tmp_path / "c.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    with pytest.raises(StoreError, match=r"c\.jsonl:3: id 'a'"):
+        read_documents([tmp_path / "c.jsonl"])
+
+
+def test_an_empty_file_is_skipped_with_a_warning_naming_it(tmp_path, caplog) -> None:
+    (tmp_path / "a.txt").write_text("Alpha text.")
+    (tmp_path / "empty.md").write_text("  \n")
+    (tmp_path / "none.jsonl").write_text("")
+    with caplog.at_level("WARNING"):
+        docs = read_documents([tmp_path, tmp_path / "empty.md"])  # in the folder, and named explicitly
+    assert [d.text for d in docs] == ["Alpha text."]
+    assert f"skipping {tmp_path / 'empty.md'}: it is empty" in caplog.text and "none.jsonl" in caplog.text
+    with pytest.raises(StoreError, match=r"empty\.md is empty"):  # nothing else to index: an error
+        read_documents([tmp_path / "empty.md"])
