@@ -19,6 +19,7 @@ from pc_rag.assemble import forward_new_tokens, splice
 from pc_rag.engine import PromptCache
 from pc_rag.kv import allocate
 from pc_rag.pml.builder import PromptBuilder, SchemaBuilder
+from pc_rag.pml.nodes import Prompt
 from pc_rag.sample import sample_questions
 
 QUESTION = (
@@ -80,13 +81,13 @@ def _build_schema(pc: PromptCache, target: int) -> tuple[str, list[str]]:
     return name, modules
 
 
-def _floor_ms(pc: PromptCache, prompt: object) -> float:
+def _floor_ms(pc: PromptCache, prompt: Prompt) -> float:
     """The forward of the uncached tokens alone on an already spliced cache, plus picking the token."""
-    request = pc._request(prompt)
-    buffer = allocate(pc.lm.model, request.cached_tokens + len(request.plan.new_ids) + 1)
-    length = splice(buffer, pc.lm.rope, [(kv, 0) for kv in request.parts])
+    request = pc.request(prompt, max_new_tokens=1)
+    buffer = allocate(pc.lm.model, request.spliced + len(request.new_ids) + 1)
+    length = splice(buffer, pc.lm.rope, [(part.kv, part.shift) for part in request.parts])
     start = time.perf_counter()
-    logits, _ = forward_new_tokens(pc.lm.model, buffer, length, request.plan.new_ids, request.plan.new_positions)
+    logits, _ = forward_new_tokens(pc.lm.model, buffer, length, request.new_ids, request.new_positions)
     int(logits.argmax())
     return (time.perf_counter() - start) * 1000
 
