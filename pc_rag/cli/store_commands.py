@@ -24,9 +24,11 @@ from pc_rag.store.kvstore import STORAGE_DTYPES
 from pc_rag.store.manifest import MANIFEST_NAME, Manifest
 
 CREATION_DEFAULTS = {
-    "chunk_tokens": 256, "overlap": 32, "mode": None, "index_kind": "flat", "kv_dtype": None, "codec": None,
+    "chunk_tokens": 256, "overlap": 32, "mode": None, "index_kind": "flat", "kv_dtype": "bfloat16",
+    "codec": None,
 }  # fmt: skip
-COMMIT_EVERY_CHUNKS = 512  # a killed `index` loses at most this much work
+COMMIT_EVERY_CHUNKS = 512  # a killed `index` loses at most this much work, or
+COMMIT_EVERY_SECONDS = 30.0  # this much time's
 
 
 def engine_for(lm: LoadedModel) -> RagEngine:
@@ -59,8 +61,9 @@ def index(
 ) -> None:  # fmt: skip
     """Add ``docs`` to the store at ``store_dir`` (created with ``options``, or loaded: options must not differ).
 
-    Unchanged documents are skipped, and a commit follows every ``COMMIT_EVERY_CHUNKS`` chunks: rerunning a
-    killed ``index`` resumes it (and chunks whose module a module store already holds are not encoded again).
+    Unchanged documents are skipped, and a commit follows every ``COMMIT_EVERY_CHUNKS`` chunks or
+    ``COMMIT_EVERY_SECONDS``, whichever comes first: rerunning a killed ``index`` resumes it (and chunks whose
+    module a module store already holds are not encoded again).
     With ``ray``, ``actors`` Ray actors encode into the module store (``modules``, which ``ray`` needs).
     """
     engine = engine_for(lm)
@@ -89,15 +92,17 @@ def index(
             [(d.text, d.metadata) for d in docs],
             ids=[d.id for d in docs],
             commit_every=COMMIT_EVERY_CHUNKS,
+            commit_seconds=COMMIT_EVERY_SECONDS,
             workers=workers,
         )
         seconds = time.perf_counter() - start
         encoded = [c for d in docs for c in store.manifest.docs[d.id].chunk_ids if c >= before]
         tokens = sum(store.manifest.chunks[c].n_tokens for c in encoded)
-        size = sum(f.stat().st_size for f in store_dir.rglob("*") if f.is_file())
         print(f"indexed {len(docs)} documents ({len(docs) - changed - unchanged} new, {changed} changed, "
-              f"{unchanged} unchanged and skipped): {len(encoded)} chunks, {tokens} tokens encoded in {seconds:.1f} s; "
-              f"store {len(store)} chunks, {size / 2**20:.1f} MiB on disk")  # fmt: skip
+              f"{unchanged} unchanged and skipped): {len(encoded)} chunks, {tokens} tokens encoded in "
+              f"{seconds:.1f} s")  # fmt: skip
+        print(f"store: {len(store.manifest.docs):,} documents, {len(store):,} chunks, "
+              f"{bytes_on_disk(store_dir) / 2**20:,.1f} MiB on disk")  # fmt: skip
 
 
 def _note_ignored_options(store: DocumentStore, options: dict[str, object]) -> None:
@@ -128,7 +133,10 @@ def store_maintenance(
         if action == "verify":
             print(store.verify())
         elif action == "repair":
-            print(f"repaired {store_dir}: {store.repair()}")
+            report = store.repair()
+            print(f"repaired {store_dir}: {report}")
+            if hint := report.restore_hint(store_dir):
+                print(hint)
         elif action == "recode":
             before, began = bytes_on_disk(store_dir), time.perf_counter()
             after = store.recode(codec or "raw")
@@ -150,6 +158,11 @@ def ask(lm: LoadedModel, store_dir: Path, question: str, *, k: int, mode: str | 
     """Answer ``question`` from the store; print the answer, its sources and TTFT (and full prefill's).
     ``module_options`` are ``DocumentStore.load``'s ``modules`` and ``recompute_missing``."""
     store = DocumentStore.load(store_dir, engine_for(lm), **module_options)
+    if not store.manifest.docs:
+        msg = (f"the store at {store_dir} has no committed documents yet (if `pc-rag index` is building it, it may "
+               f"still be running: it commits every {COMMIT_EVERY_CHUNKS} chunks or {COMMIT_EVERY_SECONDS:.0f} s); "
+               "ask again when it has")  # fmt: skip
+        raise StoreError(msg)
     if k > len(store):
         msg = f"k={k} is larger than the store ({len(store)} chunks)"
         raise StoreError(msg)
