@@ -1,0 +1,65 @@
+"""The wheel holds every package: it is built from a copy of the sources, installed into a fresh venv (no
+network: ``--no-deps``, dependencies from the system site-packages), and every subpackage is imported from the
+installed copy, not from the checkout."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="venv layout (bin/python)")
+
+ROOT = Path(__file__).parents[1]
+SOURCES = ("pyproject.toml", "setup.py", "README.md", "pc_rag", "integrations", "retrievers")
+
+IMPORT_ALL = """
+import importlib, json, pkgutil, sys
+import pc_rag
+names = ["pc_rag"] + [m.name for m in pkgutil.walk_packages(pc_rag.__path__, "pc_rag.") if m.ispkg]
+files = {name: importlib.import_module(name).__file__ for name in names}
+print(json.dumps({"prefix": sys.prefix, "files": files}))
+"""
+
+
+def _packages_in_checkout() -> set[str]:
+    found = {".".join(p.parent.relative_to(ROOT).parts) for p in (ROOT / "pc_rag").rglob("__init__.py")}
+    for adapters in ("integrations", "retrievers"):
+        found |= {
+            "pc_rag." + ".".join(p.parent.relative_to(ROOT).parts) for p in (ROOT / adapters).rglob("__init__.py")
+        }
+    return found
+
+
+def test_the_wheel_installs_and_imports_every_subpackage(tmp_path: Path) -> None:
+    import json
+
+    src = tmp_path / "src"
+    for name in SOURCES:  # a copy: building writes build/ and egg-info next to the sources
+        path = ROOT / name
+        if not path.exists():
+            continue
+        if path.is_dir():
+            shutil.copytree(path, src / name, ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
+        else:
+            (src / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(path, src / name)
+    pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q"]
+    subprocess.run([*pip, "wheel", "--no-deps", "--no-build-isolation", "-w", str(tmp_path / "dist"), "."],
+                   cwd=src, check=True, capture_output=True)  # fmt: skip
+    (wheel,) = (tmp_path / "dist").glob("pc_rag-*.whl")
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)], check=True)
+    python = venv / "bin" / "python"
+    subprocess.run([*pip, "install", "--no-deps", "--prefix", str(venv), str(wheel)], check=True, capture_output=True)
+    run = subprocess.run([str(python), "-c", IMPORT_ALL], cwd=tmp_path, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    report = json.loads(run.stdout)
+    assert Path(report["prefix"]) == venv
+    assert set(report["files"]) == _packages_in_checkout()
+    outside = {name: f for name, f in report["files"].items() if not Path(f).is_relative_to(venv)}
+    assert not outside, f"imported from outside the installed wheel: {outside}"
+    assert (Path(report["files"]["pc_rag"]).parent / "data" / "hotpotqa_sample.jsonl").is_file()
