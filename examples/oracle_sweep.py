@@ -37,6 +37,7 @@ from pc_rag.eval.datasets import load_examples
 from pc_rag.eval.metrics import TEACHER_FORCED_STEPS, first_token_kl, teacher_forced, teacher_forced_steps
 from pc_rag.kv import PreallocatedLayer, allocate
 from pc_rag.model import load_model
+from pc_rag.model_call import with_cache
 from pc_rag.probe import KWARG as PROBE
 from pc_rag.probe import AttentionProbe
 from pc_rag.rag import RagEngine, RagPrompt
@@ -85,7 +86,7 @@ def oracle_scores(engine: RagEngine, chunks, question: str) -> tuple[dict[str, t
     model.get_decoder()(
         input_ids=torch.tensor([list(tail)]),
         position_ids=torch.tensor([positions]),
-        cache=cache,
+        **with_cache(cache),
         use_cache=True,
         **{PROBE: probe},
     )

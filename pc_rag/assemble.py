@@ -13,7 +13,7 @@ import torch
 from transformers import PreTrainedModel
 
 from pc_rag.kv import KVBuffer, SpanKV
-from pc_rag.model_call import PLAIN, ModelCall
+from pc_rag.model_call import PLAIN, ModelCall, with_cache
 from pc_rag.rope import RopeSpec
 
 
@@ -58,7 +58,7 @@ def forward_new_tokens(
         model,
         input_ids=torch.tensor([list(ids)], device=device),
         position_ids=torch.tensor([list(positions)], device=device),
-        cache=cache,
+        **with_cache(cache),
         use_cache=True,
         logits_to_keep=1,
     )

@@ -14,6 +14,7 @@ import torch
 from transformers import PreTrainedModel
 
 from pc_rag.kv import SpanKV, allocate
+from pc_rag.model_call import with_cache
 
 
 @torch.inference_mode()
@@ -43,7 +44,7 @@ def encode_spans(
     model.get_decoder()(
         input_ids=ids.to(device),
         position_ids=positions.to(device),
-        cache=buffer.cache(ctx_len),
+        **with_cache(buffer.cache(ctx_len)),
         use_cache=True,
     )
     out = []

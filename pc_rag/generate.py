@@ -16,7 +16,7 @@ from tokenizers.decoders import DecodeStream
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from transformers.cache_utils import Cache
 
-from pc_rag.model_call import PLAIN, ModelCall
+from pc_rag.model_call import PLAIN, ModelCall, with_cache
 from pc_rag.runtime.model_runner import ModelRunner
 
 
@@ -148,7 +148,7 @@ def decode_tokens(
                 model,
                 input_ids=torch.tensor([[token]], device=device),
                 position_ids=torch.tensor([[next_position + step]], device=device),
-                cache=cache,
+                **with_cache(cache),
                 use_cache=True,
                 logits_to_keep=1,
             )

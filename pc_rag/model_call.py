@@ -15,7 +15,23 @@ from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
+import transformers
+from packaging.version import Version
 from transformers import PreTrainedModel
+
+
+def cache_keyword(version: str) -> str:
+    """The forward's name for the KV cache: ``cache`` from transformers 5.24 (``past_key_values`` warns there and
+    goes in 5.40), ``past_key_values`` before (a GPU image may ship an older transformers)."""
+    return "cache" if Version(version).release >= (5, 24) else "past_key_values"
+
+
+CACHE_KEYWORD = cache_keyword(transformers.__version__)
+
+
+def with_cache(cache: object) -> dict[str, object]:
+    """``model(..., **with_cache(cache))``: the cache under the installed transformers' name for it."""
+    return {CACHE_KEYWORD: cache}
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ from transformers.cache_utils import Cache
 
 from pc_rag.attention import QueryBlocks
 from pc_rag.kv import KVBuffer, PreallocatedLayer
-from pc_rag.model_call import PLAIN, ModelCall
+from pc_rag.model_call import PLAIN, ModelCall, with_cache
 
 
 class RefreshLayer(PreallocatedLayer):
@@ -89,7 +89,7 @@ def recompute_and_prefill(
         input_ids=torch.tensor([[*selected_ids, *new_ids]], device=device),
         position_ids=torch.tensor([[*selected_positions, *new_positions]], device=device),
         attention_mask=mask,
-        cache=cache,
+        **with_cache(cache),
         use_cache=True,
         logits_to_keep=1,
         query_blocks=blocks,

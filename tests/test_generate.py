@@ -166,3 +166,15 @@ def test_cached_generation_uses_the_current_cache_api(tokenizer) -> None:
         fresh = PromptCache(tiny_model("llama", tokenizer))
         fresh.add_schema(Schema("s", (Text("Context: "), Module("doc", (Text("Paris is in France."),)))))
         assert len(fresh.generate(PROMPT, max_new_tokens=3).token_ids) == 3
+
+
+@pytest.mark.parametrize(
+    ("version", "keyword"),
+    [("5.17.0", "past_key_values"), ("5.23.1", "past_key_values"), ("5.24.0", "cache"), ("5.40.0.dev0", "cache")],
+)
+def test_the_cache_goes_under_the_installed_transformers_name(version: str, keyword: str) -> None:
+    """A GPU image may ship transformers 5.17, whose forward has no ``cache`` argument (it would be swallowed by
+    ``**kwargs`` and the cache ignored)."""
+    from pc_rag.model_call import cache_keyword
+
+    assert cache_keyword(version) == keyword

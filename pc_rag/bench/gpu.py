@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from pc_rag.errors import PCRagError
+from pc_rag.model_call import with_cache
 
 
 @dataclass(frozen=True)
@@ -353,11 +354,11 @@ def graph_fidelity(bench: GpuBench) -> list[dict[str, Any]]:
     rows = []
     with torch.inference_mode():
         for buffer in (ours, theirs):
-            model(input_ids=torch.tensor([prompt], device=device), cache=buffer.cache(0), use_cache=True)
+            model(input_ids=torch.tensor([prompt], device=device), **with_cache(buffer.cache(0)), use_cache=True)
         ids, at = [5, 6, 7, 8], [len(prompt) + i for i in range(4)]
         logits, _ = runner.forward(ours, len(prompt), ids, at)
         reference = model(input_ids=torch.tensor([ids], device=device), position_ids=torch.tensor([at], device=device),
-                          cache=theirs.cache(len(prompt)), use_cache=True).logits[0, -1]  # fmt: skip
+                          **with_cache(theirs.cache(len(prompt))), use_cache=True).logits[0, -1]  # fmt: skip
         error = float((logits.float() - reference.float()).abs().max() / reference.float().abs().max())
         rows.append(
             {

@@ -19,7 +19,7 @@ from transformers import PreTrainedModel
 from transformers.cache_utils import Cache
 
 from pc_rag.kv import KVBuffer, PreallocatedLayer
-from pc_rag.model_call import PLAIN, ModelCall
+from pc_rag.model_call import PLAIN, ModelCall, with_cache
 from pc_rag.probe import KWARG as PROBE
 from pc_rag.probe import AttentionProbe, ProbeDone
 
@@ -49,7 +49,7 @@ def question_attention(
             model.get_decoder(),
             input_ids=torch.tensor([list(ids)], device=device),
             position_ids=torch.tensor([list(positions)], device=device),
-            cache=cache,
+            **with_cache(cache),
             use_cache=True,
             **{PROBE: probe},
         )

@@ -20,6 +20,7 @@ from transformers import PreTrainedModel
 from transformers.cache_utils import Cache
 
 from pc_rag.kv import KVBuffer, PreallocatedLayer
+from pc_rag.model_call import with_cache
 from pc_rag.probe import VALUES_KWARG, ProbeDone, ValueProbe
 
 
@@ -63,7 +64,7 @@ def kv_deviation(
         model.get_decoder()(
             input_ids=torch.tensor([list(ids)], device=device),
             position_ids=torch.tensor([list(positions)], device=device),
-            cache=Cache(layers=probe),
+            **with_cache(Cache(layers=probe)),
             use_cache=True,
             **{VALUES_KWARG: values},
         )

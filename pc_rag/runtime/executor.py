@@ -19,7 +19,7 @@ from pc_rag.errors import ContextLengthError
 from pc_rag.generate import GenerationResult, decode_tokens, run_generation
 from pc_rag.kv import BufferPool, KVBuffer
 from pc_rag.model import LoadedModel
-from pc_rag.model_call import ModelCall
+from pc_rag.model_call import ModelCall, with_cache
 from pc_rag.recompute import recompute_and_prefill
 from pc_rag.runtime.model_runner import ModelRunner
 from pc_rag.runtime.request import Request
@@ -146,7 +146,7 @@ def _forward_all(
         model,
         input_ids=torch.tensor([list(ids)], device=device),
         position_ids=torch.arange(position, position + len(ids), device=device)[None],
-        cache=buffer.cache(length),
+        **with_cache(buffer.cache(length)),
         use_cache=True,
     )
     return out.logits[0].float().cpu()

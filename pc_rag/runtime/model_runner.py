@@ -33,6 +33,7 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from pc_rag.decode_step import DecodeStep, FusedLayer, built_once, rms_norm
 from pc_rag.kv import BufferCache, KVBuffer
+from pc_rag.model_call import with_cache
 from pc_rag.weights import KERNEL_ROWS
 
 logger = logging.getLogger(__name__)
@@ -243,7 +244,7 @@ class ModelRunner:
         out = self.model(
             input_ids=torch.tensor([list(ids)], device=device),
             position_ids=torch.tensor([list(positions)], device=device),
-            cache=cache,
+            **with_cache(cache),
             use_cache=True,
             logits_to_keep=1,
         )

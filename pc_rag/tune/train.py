@@ -34,6 +34,7 @@ from pc_rag.assemble import splice
 from pc_rag.calibration import KWARG as SEGMENTS
 from pc_rag.calibration import Calibration, Segments
 from pc_rag.kv import KVBuffer, allocate
+from pc_rag.model_call import with_cache
 from pc_rag.rag.adapter import AdapterConfig, SpliceAdapter
 from pc_rag.rag.engine import Chunk, RagEngine
 from pc_rag.rag.modes import MODES
@@ -123,7 +124,7 @@ def student_logprobs(
         out = model(
             input_ids=torch.tensor([inputs], device=device),
             position_ids=torch.arange(cursor, cursor + len(inputs), device=device)[None],
-            cache=cache,
+            **with_cache(cache),
             use_cache=True,
             logits_to_keep=record.steps,
             **extra,
