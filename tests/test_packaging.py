@@ -54,7 +54,10 @@ def test_the_wheel_installs_and_imports_every_subpackage(tmp_path: Path) -> None
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)], check=True)
     python = venv / "bin" / "python"
-    subprocess.run([*pip, "install", "--no-deps", "--prefix", str(venv), str(wheel)], check=True, capture_output=True)
+    # --ignore-installed: without it pip uninstalls the pc-rag of the running environment (the editable install the
+    # rest of the suite imports) before installing into the prefix
+    install = [*pip, "install", "--no-deps", "--ignore-installed", "--prefix", str(venv), str(wheel)]
+    subprocess.run(install, check=True, capture_output=True)
     run = subprocess.run([str(python), "-c", IMPORT_ALL], cwd=tmp_path, capture_output=True, text=True)
     assert run.returncode == 0, run.stderr
     report = json.loads(run.stdout)
@@ -63,3 +66,5 @@ def test_the_wheel_installs_and_imports_every_subpackage(tmp_path: Path) -> None
     outside = {name: f for name, f in report["files"].items() if not Path(f).is_relative_to(venv)}
     assert not outside, f"imported from outside the installed wheel: {outside}"
     assert (Path(report["files"]["pc_rag"]).parent / "data" / "hotpotqa_sample.jsonl").is_file()
+    still = subprocess.run([*pip, "show", "pc-rag"], capture_output=True, text=True)
+    assert still.returncode == 0, "the test uninstalled the environment's own pc-rag"
