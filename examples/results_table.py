@@ -333,6 +333,14 @@ def render(loaded: list[Any], args: argparse.Namespace) -> str:
         return recode_table(loaded)
     if all(isinstance(d, dict) and "clients" in d for d in loaded):  # load test runs
         return load_table(loaded)
+    if all(isinstance(d, dict) and "chosen" in d for d in loaded):  # default_mode_choice.py
+        from default_mode_choice import markdown as mode_choice_table
+
+        return "\n\n".join(mode_choice_table(d) for d in loaded)
+    if all(isinstance(d, dict) and "gates" in d for d in loaded):  # pc-rag bench gpu
+        from pc_rag.bench.gpu import format_gates
+
+        return "\n\n".join(format_gates(d).split("\n", 2)[2] for d in loaded)  # the table, without its title
     if all(isinstance(d, dict) and d.get("rows") for d in loaded):  # script rows: codec_allocation or oracle sweep
         rows = [row for d in loaded for row in d["rows"]]
         return allocation_table(rows) if all("allocation" in d["rows"][0] for d in loaded) else oracle_table(rows)
