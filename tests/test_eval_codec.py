@@ -63,3 +63,13 @@ def test_compressed_modes_need_a_codec_and_a_numeric_level(engine) -> None:
         split_codec_mode("naive@cachegen:x")
     assert with_codec(["full", "default"], [4]) == ["full", "default", "default@cachegen:4"]
     assert with_codec(["naive", "full"], [2, 3]) == ["naive", "naive@cachegen:2", "naive@cachegen:3", "full"]
+
+
+def test_compressed_chunks_drop_the_store_source(engine, codec) -> None:
+    """Under its source the engine shares a store chunk's KV as stored: a compressed copy must not reuse it."""
+    from dataclasses import replace
+
+    from pc_rag.eval.codec_modes import compressed
+
+    chunks = [replace(c, source="store/1@v1") for c in engine.encode(["river tower city"], "prefix")]
+    assert [c.source for c in compressed(chunks, codec, 3)] == [None]

@@ -407,6 +407,10 @@ def _add_eval_parser(commands: argparse._SubParsersAction) -> None:
     ev.add_argument("--codec", default=None, metavar="cachegen[:LEVEL,...]",
                     help="also run each mode over its chunks compressed at these CacheGen levels (<mode>@cachegen:N "
                     "rows, with codec_kl and codec_agreement against the uncompressed mode)")  # fmt: skip
+    ev.add_argument("--kv-dtype", default=None, metavar="DTYPE[,DTYPE...]",
+                    help="also run each mode over its chunks with the KV stored in these dtypes (bfloat16, float16, "
+                    "float32) and read back, as a store made with `pc-rag index --kv-dtype` serves them (<mode>@DTYPE "
+                    "rows, compared with the mode on its chunks as encoded like --codec rows)")  # fmt: skip
 
 
 def _run_eval(args: argparse.Namespace) -> int:
@@ -434,6 +438,11 @@ def _run_eval(args: argparse.Namespace) -> int:
         from pc_rag.eval.codec_modes import with_codec
 
         modes = with_codec(modes, codec_levels)
+    kv_dtypes = [d.strip() for d in (args.kv_dtype or "").split(",") if d.strip()]
+    if args.kv_dtype is not None:
+        from pc_rag.eval.codec_modes import with_kv_dtypes
+
+        modes = with_kv_dtypes(modes, kv_dtypes)
     settings = list(dict.fromkeys(x.strip() for x in args.setting.split(",") if x.strip()))
     if not settings or set(settings) - {"closed", "open"}:
         msg = f"--setting takes closed, open or closed,open; got {args.setting!r}"
@@ -488,6 +497,7 @@ def _run_eval(args: argparse.Namespace) -> int:
             "orders": orders,
             "codec": args.codec,
             "codec_tables": codec.tables.digest if codec is not None else None,
+            "kv_dtypes": kv_dtypes,
         }
         write_json(rows, args.json, config)
     if args.plot:

@@ -49,9 +49,9 @@ class QuestionRecord:
     # mean over teacher-forced steps (module docstring); None in records of runs made before they existed
     teacher_forced_kl: float | None = None  # KL(full || mode) in nats
     teacher_forced_agreement: float | None = None  # share of steps whose argmax is full's token
-    # modes over compressed chunks only: against the same mode on uncompressed chunks
-    codec_kl: float | None = None  # KL(uncompressed || compressed) of the first-token distributions, in nats
-    codec_agreement: bool | None = None  # the first token is the uncompressed mode's
+    # modes over stored chunks only (<mode>@cachegen:<level>, <mode>@<dtype>): against <mode> on chunks as encoded
+    codec_kl: float | None = None  # KL(as encoded || stored) of the first-token distributions, in nats
+    codec_agreement: bool | None = None  # the first token is the mode's on chunks as encoded
 
 
 @dataclass
@@ -76,9 +76,9 @@ class ResultRow:
     f1_delta_ci95: list[float] | None = None  # paired bootstrap 95% interval of f1_delta
     teacher_forced_kl: float | None = None  # mean over the records that have it (None if none does)
     teacher_forced_agreement: float | None = None
-    codec_kl: float | None = None  # compressed-chunk modes: mean first-token KL(uncompressed || compressed)
+    codec_kl: float | None = None  # stored-chunk modes: mean first-token KL(as encoded || stored)
     codec_agreement: float | None = None
-    codec_f1_delta: float | None = None  # F1 minus the same mode's on uncompressed chunks, same questions
+    codec_f1_delta: float | None = None  # F1 minus the same mode's on chunks as encoded, same questions
     codec_f1_delta_ci95: list[float] | None = None
 
 
@@ -236,10 +236,10 @@ def _row(
 
 
 def _codec_f1_deltas(group: list[QuestionRecord], mode_f1: dict[tuple[str, str, str, str], float]) -> list[float]:
-    """Per-question F1 change (x100) of a compressed-chunk mode against the same mode uncompressed, where both ran."""
+    """Per-question F1 change (x100) of a stored-chunk mode (``<mode>@...``) against ``<mode>``, where both ran."""
     out = []
     for r in group:
-        base, sep, _ = r.mode.partition("@cachegen:")
+        base, sep, _ = r.mode.partition("@")
         plain = mode_f1.get((r.setting, r.dataset, r.id, base)) if sep else None
         if plain is not None:
             out.append(100 * (r.f1 - plain))

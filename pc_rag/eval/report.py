@@ -53,14 +53,15 @@ def format_table(rows: Sequence[ResultRow]) -> str:
     ``tok1`` is first-token agreement with full prefill, ``tok1~The`` the same without questions whose
     full answer starts with "The"; ``tfKL`` and ``tfAgr`` are KL(full || mode) and next-token agreement
     teacher-forced with full's first answer tokens, averaged over those steps (``-`` for old records);
-    ``codecKL``, ``cAgr`` and ``cdF1`` compare a ``<mode>@cachegen:<level>`` row with ``<mode>``.
+    ``codecKL``, ``cAgr`` and ``cdF1`` compare a ``<mode>@cachegen:<level>`` or ``<mode>@<dtype>`` row with
+    ``<mode>``.
     """
     columns = list(_COLUMNS)
     if len({r.setting for r in rows}) > 1:
         columns.insert(0, ("setting", 7, lambda r: r.setting))
     if any(r.retrieval_recall is not None for r in rows):
         columns.append(("recall", 6, lambda r: "-" if r.retrieval_recall is None else f"{r.retrieval_recall:.3f}"))
-    if any(r.codec_kl is not None for r in rows):  # against the same mode on uncompressed chunks
+    if any(r.codec_kl is not None for r in rows):  # against the same mode on chunks as encoded
         columns += [
             ("codecKL", 8, lambda r: "-" if r.codec_kl is None else f"{r.codec_kl:.4f}"),
             ("cAgr", 6, lambda r: "-" if r.codec_agreement is None else f"{r.codec_agreement:.3f}"),

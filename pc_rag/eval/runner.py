@@ -21,7 +21,7 @@ from typing import Any, Protocol
 from tqdm import tqdm
 
 from pc_rag.errors import EvalError
-from pc_rag.eval.codec_modes import compressed, split_codec_mode
+from pc_rag.eval.codec_modes import base_mode, split_codec_mode, split_dtype_mode, stored
 from pc_rag.eval.contexts import ClosedContexts, ContextSource
 from pc_rag.eval.datasets import Example
 from pc_rag.eval.metrics import FULL, TEACHER_FORCED_STEPS, QuestionRecord, make_record, teacher_forced_steps
@@ -89,7 +89,8 @@ def run_eval(
     """Answer every example in ``full`` (always, first) and each of ``modes``; one record per (example, mode).
 
     Modes ``<mode>@cachegen:<level>`` answer from chunks round-tripped through ``codec`` (a
-    ``CacheGenCodec``) and are compared with ``<mode>`` on the uncompressed chunks.
+    ``CacheGenCodec``), modes ``<mode>@<dtype>`` from chunks whose KV was rounded to that storage dtype
+    (``pc_rag.eval.codec_modes``); both are compared with ``<mode>`` on the chunks as encoded.
 
     ``reference`` answers ``full`` instead of ``engine`` (the same model in another dtype: every mode, and the
     engine's own full prefill as ``selective:1.0``, is then measured against it).
@@ -103,6 +104,8 @@ def run_eval(
     run_modes = [FULL, *(m for m in dict.fromkeys(modes) if m != FULL)]
     if codec is None and any(split_codec_mode(m)[1] is not None for m in run_modes):
         raise EvalError("modes over compressed chunks (<mode>@cachegen:<level>) need a codec")
+    for mode in run_modes:
+        split_dtype_mode(mode)  # EvalError for an unknown storage dtype, before anything runs
     done = load_state(state_path) if state_path is not None else {}
     keys = [[(setting, ex.dataset, ex.id, mode) for mode in run_modes] for ex in examples]
     already = sum(k in done for row in keys for k in row)
@@ -155,22 +158,22 @@ def _run_example(
     # Full's first steps' logits stay in memory while this example's modes run; after a resume the
     # full prefill is simply recomputed (greedy, deterministic) rather than stored in the state file.
     # Full prefill only reads the chunks' token ids, which no mode changes: reuse the first mode's encoding.
-    full_chunks = chunks(next((split_codec_mode(m)[0] for *_, m in todo if m != FULL), FULL_CHUNKS_MODE))
+    full_chunks = chunks(next((base_mode(m) for *_, m in todo if m != FULL), FULL_CHUNKS_MODE))
     full = reference.answer_full(
         full_chunks, example.question, max_new_tokens=max_new_tokens, keep_logits=TEACHER_FORCED_STEPS
     )
     reference = full.token_ids[: teacher_forced_steps(full) - 1]  # the last forced step needs no token fed
-    plain_first = {}  # uncompressed mode -> its first-step logits, for the compressed twin
+    plain_first = {}  # mode on chunks as encoded -> its first-step logits, for its stored twins
     for *_, mode in todo:
         if mode == FULL:
             yield record(FULL, full_chunks, full)
             continue
-        base, level = split_codec_mode(mode)
-        mode_chunks = chunks(base) if level is None else compressed(chunks(base), codec, level)
+        base = base_mode(mode)
+        mode_chunks = stored(chunks(base), mode, codec)
         result = engine.answer(
             mode_chunks, example.question, base, reference_ids=reference, max_new_tokens=max_new_tokens
         )
-        if level is None:
+        if base == mode:
             plain_first[base] = result.first_logits
             yield record(mode, mode_chunks, result)
             continue
