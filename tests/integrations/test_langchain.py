@@ -157,13 +157,8 @@ def test_async_and_batch_equal_sync(store: DocumentStore) -> None:
 def test_generation_settings(store: DocumentStore) -> None:
     llm = PromptCacheLLM.from_store(store)
     prompt = f"{store.engine.prompt.preamble}{store.module_ref(store.handle(0))}\nWhat is it?"
-    text = llm.invoke(prompt, max_tokens=12)
-    assert llm.last_stats.new_tokens <= 12 and llm.invoke(prompt, max_tokens=3) == llm.invoke(prompt, max_tokens=3)
-    if len(text) > 4:
-        stop = text[2:4]
-        assert llm.invoke(prompt, max_tokens=12, stop=[stop]) == text[: text.find(stop)]
-    sampled = {"temperature": 1.5, "top_k": 50, "top_p": 0.9, "seed": 7, "max_tokens": 6}
-    assert llm.invoke(prompt, **sampled) == llm.invoke(prompt, **sampled)
+    llm.invoke(prompt, max_tokens=3)  # sampling settings and stop: test_generation_settings.py
+    assert llm.last_stats.new_tokens == 3
     with pytest.raises(PCRagError, match="unknown generation settings"):
         llm.invoke(prompt, max_new_tokens=3)
     with pytest.raises(ValidationError):
