@@ -4,7 +4,9 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
+from types import MappingProxyType
 
 import pytest
 from conftest import tiny_model, tiny_tokenizer
@@ -140,3 +142,90 @@ def test_eval(home, capsys, tmp_path) -> None:
     out, _ = run(home, capsys, "eval", "--dataset", str(SAMPLE), "--limit", "1", "--modes", "full,prefix",
                  "--max-new-tokens", "2", "--json", str(tmp_path / "e.json"))  # fmt: skip
     assert "prefix" in out and (tmp_path / "e.json").is_file()
+
+
+def fails(home: Path, capsys: pytest.CaptureFixture[str], *args: str) -> str:
+    """``pc-rag --model <tiny> ARGS``'s one-line error, after checking it exited 2."""
+    code = main(["--model", str(home / "model"), *args])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("pc-rag: error: ") and err.count("\n") == 1, err
+    return err
+
+
+def test_bench_peers_times_ours_and_names_the_extra_of_a_missing_peer(home, capsys, tmp_path, monkeypatch) -> None:
+    for module in ("langchain_huggingface", "kvboost"):  # not installed, whatever this environment holds
+        monkeypatch.setitem(sys.modules, module, None)
+    run(home, capsys, "bench", "peers", "--tokens", "200", "--runs", "1", "--json", str(tmp_path / "p.json"))
+    rows = {r["peer"]: r for r in json.loads((tmp_path / "p.json").read_text())}
+    assert rows["full prefill (transformers, same runtime)"]["ttft_ms"] > 0
+    assert rows["pc-rag cached, naive splice"]["ttft_ms"] > 0
+    for peer in ("LangChain HuggingFacePipeline", "KVBoost (chunk KV reuse, warm)"):
+        assert rows[peer]["ttft_ms"] is None and rows[peer]["note"].endswith("(pip install pc-rag[bench])")
+    assert "leaves no room for a passage" in fails(home, capsys, "bench", "peers", "--tokens", "64", "--runs", "1")
+
+
+def hotpotqa(directory: Path, examples: int) -> Path:
+    """A HotpotQA-shaped file of ``examples`` questions with three short passages each (the tuning split is by
+    position in a file named hotpotqa)."""
+    rows = [
+        {"id": f"q{i}", "question": f"Who wrote book {i}?", "answers": ["x"],
+         "passages": [{"title": f"T{i}-{j}", "text": f"passage {i} {j} " * (5 + j)} for j in range(3)]}
+        for i in range(examples)
+    ]  # fmt: skip
+    path = directory / "hotpotqa.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_tune_codec_then_bench_codec_and_link(home, capsys, tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("PC_RAG_CACHE", str(tmp_path / "cache"))  # the tables stay out of the module's cache
+    assert "pc-rag tune-codec" in fails(home, capsys, "bench", "codec", "--questions", "1")
+    dataset = hotpotqa(tmp_path, 302)  # questions 300 and 301 are in the tuning split
+    out, _ = run(home, capsys, "tune-codec", "--dataset", str(dataset), "--passages", "6")
+    assert "CacheGen tables" in out and len(list((tmp_path / "cache" / "tuned").glob("*.cachegen.*"))) == 1
+    run(home, capsys, "bench", "codec", "--questions", "1", "--json", str(tmp_path / "c.json"))
+    codec = json.loads((tmp_path / "c.json").read_text())
+    assert [r["codec"] for r in codec] == [f"cachegen:{n}" for n in range(1, 6)]
+    assert all(0 < r["bytes_per_token"] < 384 for r in codec)  # under bfloat16's bytes per token on this model
+    run(home, capsys, "bench", "link", "--questions", "1", "--bandwidth", "1G", "--json", str(tmp_path / "l.json"))
+    link = json.loads((tmp_path / "l.json").read_text())
+    assert {r["storage"] for r in link} >= {"bfloat16", "cachegen:1", "cachegen:adaptive"}
+    assert all(r["ttft_ms"] > 0 for r in link)
+
+
+def test_tune_writes_an_adapter_that_serving_finds(home, capsys, tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("PC_RAG_CACHE", str(tmp_path / "cache"))  # the adapter stays out of the module's cache
+    split = MappingProxyType({"hotpotqa": range(2, 5)})  # three tuning questions instead of 400
+    monkeypatch.setattr("pc_rag.eval.datasets.TUNING_SPLIT", split)
+    monkeypatch.setattr("pc_rag.tune.command.TUNING_SPLIT", split)
+    monkeypatch.setattr("pc_rag.tune.command.VALIDATION_SIZE", 1)
+    dataset, work = hotpotqa(tmp_path, 5), tmp_path / "work"
+    tune = ["tune", "--dataset", str(dataset), "--work", str(work), "--variants", "closed,open"]
+    out, _ = run(home, capsys, *tune, "--teacher-only")
+    assert out == "teacher data: 6 pairs\n"
+    out, _ = run(home, capsys, *tune, "--epochs", "1", "--accumulate", "1", "--eval-every", "2",
+                 "--recompute", "0,0.5", "--calibrate", "1:1,1.1")  # fmt: skip
+    assert "4 training pairs, 2 validation" in out and "APE calibration" in out
+    run(home, capsys, "bench", "peers", "--tokens", "200", "--runs", "1", "--json", str(tmp_path / "p.json"))
+    (fast,) = [r for r in json.loads((tmp_path / "p.json").read_text()) if r["peer"].startswith("pc-rag cached, fast")]
+    assert fast["ttft_ms"] > 0, fast["note"]  # found where serving looks, without --out
+
+
+def test_bench_scaleout(home, capsys, tmp_path) -> None:
+    ray = pytest.importorskip("ray")
+    pytest.importorskip("redis")
+    assert "fewer than the first question's 10 passages" in fails(
+        home, capsys, "bench", "scaleout", "--dataset", str(SAMPLE), "--passages", "5"
+    )
+    try:
+        run(home, capsys, "bench", "scaleout", "--dataset", str(SAMPLE), "--passages", "10", "--questions", "1",
+            "--json", str(tmp_path / "s.json"))  # fmt: skip
+    finally:
+        ray.shutdown()
+    result = json.loads((tmp_path / "s.json").read_text())
+    assert result["passages"] == 10 and len({r["chunks"] for r in result["encode"]}) == 1
+    assert len(result["encode"]) == 3 and result["encode"][0]["chunks"] > 0
+    assert sorted((r["store"], r["cache"]) for r in result["ttft"]) == [
+        ("local", "cold"), ("local", "hot"), ("redis", "cold"), ("redis", "hot")
+    ]  # fmt: skip
+    assert all(r["ttft_ms_median"] > 0 for r in result["ttft"])

@@ -65,7 +65,7 @@ class Workload:
 
 def build_workload(engine: RagEngine, target: int) -> Workload:
     """Passages from the bundled sample until the prompt holds about ``target`` tokens."""
-    budget = target - len(engine.head_ids) - len(engine.tokenize(engine.prompt.tail(engine.wrappers, QUESTION)))
+    budget = _passage_budget(engine, target)
     texts: list[str] = []
     passages = [p for q in sample_questions() for p in q.passages]
     for title, body in passages:
@@ -79,6 +79,15 @@ def build_workload(engine: RagEngine, target: int) -> Workload:
     documents = len(engine.head_ids) + sum(len(c.token_ids) for c in chunks)
     decode = engine.lm.tokenizer.decode
     return Workload(chunks, QUESTION, decode(ids), len(ids), decode(ids[:documents]))
+
+
+def _passage_budget(engine: RagEngine, target: int) -> int:
+    """Tokens left for passages in a prompt of ``target`` tokens; ``PCRagError`` if too few for one passage."""
+    budget = target - len(engine.head_ids) - len(engine.tokenize(engine.prompt.tail(engine.wrappers, QUESTION)))
+    if budget < 8:  # a negative budget would cut passages from their end instead of to nothing
+        msg = f"--tokens {target} leaves no room for a passage: ask for at least {target - budget + 8} tokens"
+        raise PCRagError(msg)
+    return budget
 
 
 class Reply(NamedTuple):
@@ -212,7 +221,7 @@ def _llama_ms(llm: object, prompt: list[int], n: int) -> Reply:
 def kvboost_peer(engine: RagEngine, work: Workload) -> Timed | str:
     """KVBoost's chunk-level KV reuse over the same transformers model, warmed with the same prompt."""
     if importlib.util.find_spec("kvboost") is None:
-        return "kvboost is not installed (pip install kvboost)"
+        return "kvboost is not installed (pip install pc-rag[bench])"
     from kvboost import KVBoost
 
     boost = KVBoost(model=engine.lm.model, tokenizer=engine.lm.tokenizer, max_cache_bytes=4 << 30, device="cpu")
@@ -239,6 +248,8 @@ def run_peers(
     ``progress`` shows a bar over (length, peer) naming the peer being timed (an 8K run takes minutes per peer).
     ``reference``: the same model in float32, whose full prefill is timed too.
     """
+    for target in lengths:  # refuse a length too short before timing anything
+        _passage_budget(engine, target)
     rows: list[PeerRow] = []
     dtypes = {FULL_PREFILL_FLOAT32: "float32", **dict.fromkeys(LLAMA_CPP, "gguf")}
     with tqdm(desc="peers", unit="peer", disable=not progress) as bar:
