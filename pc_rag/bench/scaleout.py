@@ -60,9 +60,15 @@ def passages(dataset: Path, count: int) -> tuple[list[tuple[str, dict]], list[st
     for example in load_examples(dataset, skip_tuning_split=True):
         texts = [f"{p.title}\n{p.text}" for p in example.passages]
         if len(docs) + len(set(texts) - set(docs)) > count:
+            if not questions:  # nothing to index or ask: every median would be of nothing
+                msg = f"--passages {count} is fewer than the first question's {len(set(texts))} passages in {dataset}"
+                raise PCRagError(msg)
             break
         docs.update({t: {"title": p.title} for t, p in zip(texts, example.passages, strict=True)})
         questions.append(example.question)
+    if not questions:
+        msg = f"{dataset} holds no question outside the tuning split to index and ask"
+        raise PCRagError(msg)
     return list(docs.items()), questions
 
 
