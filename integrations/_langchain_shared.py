@@ -6,10 +6,11 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Iterator
 from contextlib import suppress
-from typing import Any, Self, TypeVar
+from typing import Any, TypeVar
 
 from langchain_core.runnables.config import run_in_executor
 from pydantic import BaseModel, ConfigDict, Field
+from typing_extensions import Self  # typing.Self is 3.11+; langchain-core and pydantic require typing-extensions
 
 from pc_rag.engine import PromptCache
 from pc_rag.errors import PCRagError

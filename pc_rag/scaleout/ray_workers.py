@@ -9,8 +9,10 @@ repeats one. ``address`` is a running cluster (``ray://host:10001``, ``auto``) o
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from dataclasses import asdict
+from typing import TypeVar
 
 import numpy as np
 
@@ -19,6 +21,8 @@ from pc_rag.scaleout.encoder_actor import ChunkEncoder
 from pc_rag.scaleout.encoder_spec import EncoderSpec
 from pc_rag.store.chunk_encoding import NewChunk
 from pc_rag.store.embeddings import Embedder
+
+E = TypeVar("E", bound=BaseException)
 
 
 class RayChunkWorkers:
@@ -60,8 +64,7 @@ class RayChunkWorkers:
             cause = _pc_rag_cause(e)
             if cause is None:
                 raise
-            cause.add_note("(raised in a Ray encoder actor; nothing of this part was committed)")
-            raise cause from None
+            raise with_note(cause, "(raised in a Ray encoder actor; nothing of this part was committed)") from None
         ids = [int(row["chunk_id"]) for row in out]
         if sorted(ids) != sorted(c.chunk_id for c in chunks):
             msg = f"the Ray job returned {len(ids)} results for {len(chunks)} chunks ({len(set(ids))} distinct)"
@@ -71,6 +74,16 @@ class RayChunkWorkers:
         assert self.embedder is not None
         vectors = self.embedder.embed_documents([c.text for c in chunks])
         return {c.chunk_id: v for c, v in zip(chunks, vectors, strict=True)}
+
+
+def with_note(error: E, note: str) -> E:
+    """``error`` with ``note`` added: as a note (``add_note``) from Python 3.11, before that at the end of its
+    message (``args[0]``), so the reason is shown either way."""
+    if sys.version_info >= (3, 11):
+        error.add_note(note)
+    elif error.args and isinstance(error.args[0], str):
+        error.args = (f"{error.args[0]} {note}", *error.args[1:])
+    return error
 
 
 def _pc_rag_cause(error: BaseException | None) -> PCRagError | None:
