@@ -211,6 +211,25 @@ def test_tune_writes_an_adapter_that_serving_finds(home, capsys, tmp_path, monke
     assert fast["ttft_ms"] > 0, fast["note"]  # found where serving looks, without --out
 
 
+def test_tune_store_writes_the_adapter_fast_then_serves(home, store, capsys, tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("PC_RAG_CACHE", str(tmp_path / "cache"))  # the adapter stays out of the module's cache
+    ask = ["ask", "Where is Fuji?", "--store", str(store), "-k", "2", "--max-new-tokens", "1", "--mode", "fast"]
+    assert "make one with `pc-rag tune`" in fails(home, capsys, *ask)
+    with pytest.raises(SystemExit):
+        main(["tune", "--store", str(store), "--dataset", str(SAMPLE)])
+    assert capsys.readouterr().err == (
+        "pc-rag: error: tune: argument --dataset: not allowed with argument --store (see --help)\n"
+    )
+    assert "--variants goes with --dataset" in fails(home, capsys, "tune", "--store", str(store), "--variants", "open")
+    tune = ["tune", "--store", str(store), "--work", str(tmp_path / "work"), "--pairs", "3"]
+    out, _ = run(home, capsys, *tune, "--epochs", "1", "--accumulate", "1", "--eval-every", "1")
+    assert "questions: 2 training, 1 held out" in out and "2 training pairs, 1 validation" in out, out
+    assert "this run: questions 3 in " in out and "teacher 3 in " in out and "train 2 in " in out, out
+    run(home, capsys, *ask)  # fast finds the adapter where serving looks, without --out
+    out, _ = run(home, capsys, *tune, "--teacher-only")
+    assert "teacher data: 3 pairs (questions 0 in 0.0 min, teacher 0 in 0.0 min)" in out  # a rerun adds nothing
+
+
 def test_bench_scaleout(home, capsys, tmp_path) -> None:
     ray = pytest.importorskip("ray")
     pytest.importorskip("redis")

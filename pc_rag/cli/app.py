@@ -166,6 +166,8 @@ def _run(args: argparse.Namespace) -> int:
         if args.ray is not None and args.modules is None and not (args.store / MANIFEST_NAME).is_file():
             raise PCRagError("--ray writes modules where every actor reaches them: give --modules (redis://, a dir)")
         docs = read_documents(args.paths)[: args.limit]
+    elif args.command == "tune":
+        tune_cli.check_tune_args(args)
     elif args.command in ("ask", "store", "serve"):
         if args.command == "store" and (args.action == "recode") != (args.codec is not None):
             raise PCRagError("--codec goes with `store recode`, and `store recode` needs it")

@@ -16,12 +16,19 @@ def add_parsers(commands: argparse._SubParsersAction, positive: Callable[[str], 
     fit.add_argument("--passages", type=positive, default=200, help="passages to fit on (default 200)")
     fit.add_argument("--out", type=Path, default=None, help="table file (default: where stores look for it)")
     tune = commands.add_parser(
-        "tune", help="train the splice adapter on the tuning split (HotpotQA 300-699) by self-distillation"
+        "tune", help="train the splice adapter by self-distillation, on the tuning split or on a store's own chunks"
     )
-    tune.add_argument("--dataset", type=Path, required=True, help="the HotpotQA dev JSONL the tuning split is in")
-    tune.add_argument("--work", type=Path, default=None, help="teacher data and chunk stores (default: cache/tune)")
+    data = tune.add_mutually_exclusive_group(required=True)
+    data.add_argument("--dataset", type=Path, help="the HotpotQA dev JSONL the tuning split (300-699) is in")
+    data.add_argument("--store", type=Path, help="a document store: the model writes questions about its chunks")
+    tune.add_argument("--work", type=Path, default=None,
+                      help="teacher data and chunk stores (default: cache/tune, or cache/tune/store-<id>)")  # fmt: skip
     tune.add_argument("--out", type=Path, default=None, help="adapter file (default: where serving looks for it)")
     tune.add_argument("--variants", default=None, help="comma-separated context variants (default: all)")
+    tune.add_argument("--pairs", type=positive, default=400, help="--store: questions to write (default 400)")
+    tune.add_argument("--held-out", type=float, default=0.1,
+                      help="--store: share of documents kept for early stopping (default 0.1)")  # fmt: skip
+    tune.add_argument("-k", "--k", type=positive, default=5, help="--store: chunks retrieved per question (default 5)")
     tune.add_argument("--teacher-only", action="store_true", help="only generate (or resume) the teacher data")
     tune.add_argument("--rank", type=int, default=8, help="LoRA rank (default 8)")
     tune.add_argument("--alpha", type=float, default=16.0, help="LoRA alpha; scale = alpha / rank (default 16)")
@@ -53,22 +60,32 @@ def _shares(text: str) -> tuple[float, ...]:
     return shares
 
 
+def check_tune_args(args: argparse.Namespace) -> None:
+    """Refuse what ``tune`` cannot run, before the model loads."""
+    if args.store is None:
+        return
+    from pc_rag.cli.store_commands import check_store_target
+
+    if args.variants is not None:
+        raise PCRagError("--variants goes with --dataset; --store pairs are the store's own retrievals")
+    if not 0 < args.held_out < 1:
+        msg = f"--held-out is a share of documents between 0 and 1 (exclusive), got {args.held_out}"
+        raise PCRagError(msg)
+    check_store_target(args.store, must_exist=True)
+
+
 def run_tune(args: argparse.Namespace, lm: object) -> int:
+    if args.store is not None:
+        return _run_tune_store(args, lm)
     from pc_rag.model import cache_dir
     from pc_rag.rag import RagEngine, RagPrompt
-    from pc_rag.rag.adapter import AdapterConfig
     from pc_rag.rag.tuned import adapter_file, tuned_dirs
     from pc_rag.tune.command import tune
     from pc_rag.tune.pairs import VARIANTS
-    from pc_rag.tune.train import TrainConfig
 
     engine = RagEngine(lm, RagPrompt.longbench())
     variants = tuple(v.strip() for v in args.variants.split(",")) if args.variants else VARIANTS
-    adapter_config = AdapterConfig(args.rank, args.alpha, tuple(t.strip() for t in args.targets.split(",")))
-    train_config = TrainConfig(
-        epochs=args.epochs, lr=args.lr, accumulate=args.accumulate, eval_every=args.eval_every, patience=args.patience,
-        recompute=_shares(args.recompute),
-    )  # fmt: skip
+    adapter_config, train_config = _configs(args)
     out = args.out or tuned_dirs()[0] / adapter_file(lm.fingerprint())
     grid = _calibration_grid(args.calibrate) if args.calibrate else None
     summary = tune(
@@ -79,6 +96,24 @@ def run_tune(args: argparse.Namespace, lm: object) -> int:
     if args.teacher_only:
         print(f"teacher data: {summary['teacher_pairs']} pairs")
         return 0
+    _print_result(summary)
+    return 0
+
+
+def _configs(args: argparse.Namespace) -> tuple:
+    """The ``AdapterConfig`` and ``TrainConfig`` the arguments ask for."""
+    from pc_rag.rag.adapter import AdapterConfig
+    from pc_rag.tune.train import TrainConfig
+
+    adapter_config = AdapterConfig(args.rank, args.alpha, tuple(t.strip() for t in args.targets.split(",")))
+    train_config = TrainConfig(
+        epochs=args.epochs, lr=args.lr, accumulate=args.accumulate, eval_every=args.eval_every, patience=args.patience,
+        recompute=_shares(args.recompute),
+    )  # fmt: skip
+    return adapter_config, train_config
+
+
+def _print_result(summary: dict) -> None:
     base, best = summary["history"][0], summary["best"]
     pairs = f"{summary['train_pairs']} training pairs, {summary['val_pairs']} validation"
     print(f"adapter -> {summary['adapter']} ({pairs})")
@@ -87,6 +122,37 @@ def run_tune(args: argparse.Namespace, lm: object) -> int:
     if "calibration" in summary:
         c = summary["calibration"]
         print(f"APE calibration -> {c['path']}: temperature {c['temperature']}, scale {c['scale']}")
+
+
+def _run_tune_store(args: argparse.Namespace, lm: object) -> int:
+    import sys
+
+    from pc_rag.cli.store_commands import engine_for
+    from pc_rag.model import cache_dir
+    from pc_rag.rag.tuned import adapter_file, tuned_dirs
+    from pc_rag.store.document_store import DocumentStore
+    from pc_rag.tune.store_command import tune_store
+
+    adapter_config, train_config = _configs(args)
+    out = args.out or tuned_dirs()[0] / adapter_file(lm.fingerprint())
+    grid = _calibration_grid(args.calibrate) if args.calibrate else None
+    with DocumentStore.load(args.store, engine_for(lm)) as store:
+        work = args.work or cache_dir() / "tune" / f"store-{store.store_id}"
+        summary = tune_store(
+            store, work, out, pairs=args.pairs, k=args.k, held_out=args.held_out, adapter_config=adapter_config,
+            train_config=train_config, teacher_only=args.teacher_only, calibration_grid=grid,
+            progress=args.verbose or sys.stderr.isatty(),
+        )  # fmt: skip
+    kept, cost = summary["questions_kept"], summary["cost"]
+    print(f"questions: {kept['train']} training, {kept['val']} held out ({summary['questions_written']} written; "
+          f"the chunk asked about was retrieved for {summary['source_chunk_retrieved']:.0%}) in {work}")  # fmt: skip
+    phases = ", ".join(f"{p} {cost[f'{p}_count']} in {cost[f'{p}_s'] / 60:.1f} min"
+                       for p in ("questions", "teacher", "train") if f"{p}_s" in cost)  # fmt: skip
+    if args.teacher_only:
+        print(f"teacher data: {summary['teacher_pairs']} pairs ({phases})")
+        return 0
+    _print_result(summary)
+    print(f"this run: {phases}")
     return 0
 
 

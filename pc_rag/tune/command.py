@@ -57,6 +57,26 @@ def tune(
     build_teacher(source, teacher, progress=progress)
     if teacher_only:
         return {"teacher_pairs": len(teacher)}
+    return train_and_save(
+        engine, source, teacher, out, adapter_config=adapter_config, train_config=train_config,
+        calibration_grid=calibration_grid, progress=progress, extra={"variants": list(variants)},
+    )  # fmt: skip
+
+
+def train_and_save(
+    engine: RagEngine,
+    source: PairSource,
+    teacher: TeacherSet,
+    out: Path,
+    *,
+    adapter_config: AdapterConfig,
+    train_config: TrainConfig,
+    calibration_grid: tuple[Sequence[float], Sequence[float]] | None = None,
+    progress: bool = True,
+    extra: dict | None = None,
+) -> dict:
+    """Train on the taught pairs of ``source``, save the adapter at ``out`` (and the calibration beside it), write
+    the report (with ``extra``) at ``out`` with a ``.json`` suffix and return it."""
     pairs = [p for p in source.pairs() if p.key in teacher]
     train = [p for p in pairs if p.split == "train"]
     val = [p for p in pairs if p.split == "val"]
@@ -69,7 +89,7 @@ def tune(
         "fingerprint": adapter.fingerprint,
         "adapter_config": asdict(adapter_config),
         "train_config": asdict(train_config),
-        "variants": list(variants),
+        **(extra or {}),
         "train_pairs": len(train),
         "val_pairs": len(val),
         "history": [asdict(v) for v in report.history],

@@ -130,13 +130,16 @@ class TeacherSet:
                 self._entries[key] = entry
 
 
-def build_teacher(source: PairSource, teacher: TeacherSet, *, part: int = 16, progress: bool = True) -> int:
-    """Teach every pair of ``source`` not yet in ``teacher``, saving every ``part`` pairs; return how many were new."""
+def build_teacher(
+    source: PairSource, teacher: TeacherSet, *, part: int = 16, progress: bool = True, total: int | None = None
+) -> int:
+    """Teach every pair of ``source`` not yet in ``teacher``, saving every ``part`` pairs; return how many were new.
+    ``total`` (the pairs ``source`` yields, if known) gives the progress bar its ETA."""
     from tqdm import tqdm
 
     pending: list[TeacherRecord] = []
     new = 0
-    bar = tqdm(desc="teacher", unit="pair", disable=not progress, initial=len(teacher))
+    bar = tqdm(desc="teacher", unit="pair", disable=not progress, initial=len(teacher), total=total)
     for pair in source.pairs():
         if pair.key in teacher:
             continue
