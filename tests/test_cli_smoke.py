@@ -213,6 +213,10 @@ def test_tune_writes_an_adapter_that_serving_finds(home, capsys, tmp_path, monke
 
 def test_tune_store_writes_the_adapter_fast_then_serves(home, store, capsys, tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("PC_RAG_CACHE", str(tmp_path / "cache"))  # the adapter stays out of the module's cache
+    # the tiny random model's replies share no word with the passage, so every one would be refused
+    monkeypatch.setattr(
+        "pc_rag.tune.store_pairs.write_question", lambda _, text: f"Where is {max(text.split(), key=len)}?"
+    )
     ask = ["ask", "Where is Fuji?", "--store", str(store), "-k", "2", "--max-new-tokens", "1", "--mode", "fast"]
     assert "make one with `pc-rag tune`" in fails(home, capsys, *ask)
     with pytest.raises(SystemExit):

@@ -5,17 +5,21 @@ from __future__ import annotations
 
 import json
 import random
+import re
 
 import pytest
+import torch
 from conftest import tiny_model
 from test_document_store import embedder
 
 from pc_rag.errors import PCRagError
+from pc_rag.generate import eos_ids
 from pc_rag.rag import RagEngine, RagPrompt
 from pc_rag.rag.adapter import AdapterConfig, SpliceAdapter
 from pc_rag.rag.tuned import adapter_file, tuned_dirs
 from pc_rag.store.document_store import DocumentStore
-from pc_rag.tune.questions import clean_question
+from pc_rag.tune import store_pairs
+from pc_rag.tune.questions import INSTRUCTION, MAX_NEW_TOKENS, clean_question, question_prompt, write_question
 from pc_rag.tune.store_command import tune_store
 from pc_rag.tune.store_pairs import StorePairSource, held_out_documents
 from pc_rag.tune.teacher import TeacherSet, build_teacher
@@ -26,6 +30,16 @@ DOCS = {
     f"doc{i}": f"The {t} is famous. Travellers visit the {t} every year, and books describe the {t} at length."
     for i, t in enumerate(TOPICS)
 }
+
+
+def asks_about(engine: RagEngine, passage: str) -> str:
+    """A stand-in writer for the tiny random model, whose replies share no word with the passage."""
+    return f"Question: What does the passage say about {max(re.findall('[A-Za-z]{4,}', passage), key=len)}?"
+
+
+@pytest.fixture(autouse=True)
+def writer(monkeypatch) -> None:
+    monkeypatch.setattr(store_pairs, "write_question", asks_about)
 
 
 @pytest.fixture(scope="module")
@@ -81,18 +95,33 @@ def test_a_crash_mid_line_loses_only_that_question(store, tmp_path) -> None:
     lines = (tmp_path / "questions.jsonl").read_text().splitlines()
     (tmp_path / "questions.jsonl").write_text("\n".join(lines[:-1]) + "\n" + lines[-1][:20])
     calls = []
-    source = StorePairSource(store, tmp_path, pairs=3, k=2,
-                             write=lambda e, p: calls.append(p) or "Where is it?" + " x" * 3)  # fmt: skip
+    source = StorePairSource(store, tmp_path, pairs=3, k=2, write=lambda e, p: calls.append(p) or asks_about(e, p))
     source.write_questions(progress=False)
     assert len(calls) == 1 and len(list(source.pairs())) == 3
 
 
-def test_questions_are_cleaned_or_refused() -> None:
-    assert clean_question('\n Question: "Where does the Danube end?" It ends in the Black Sea.') == (
-        "Where does the Danube end?"
+def test_the_question_is_the_models_greedy_reply_to_the_passage(store) -> None:
+    engine, passage = store.engine, DOCS["doc3"]
+    prompt = question_prompt(engine, passage)
+    assert passage in prompt and INSTRUCTION in prompt
+    ids = torch.tensor([engine.tokenize(prompt)])
+    lm = engine.lm
+    greedy = lm.model.generate(
+        ids, max_new_tokens=MAX_NEW_TOKENS, do_sample=False, eos_token_id=list(eos_ids(lm.model, lm.tokenizer))
     )
-    for degenerate in ["", "   \n", "Why?", "the the the the the the", "1 2 3 4", " ".join(["word"] * 50)]:
-        assert clean_question(degenerate) is None, degenerate
+    reply = [t for t in greedy[0, ids.shape[1] :].tolist() if t not in eos_ids(lm.model, lm.tokenizer)]
+    assert write_question(engine, passage) == lm.tokenizer.decode(reply).rstrip("\ufffd")  # bar a cut-off character
+
+
+def test_questions_are_cleaned_or_refused() -> None:
+    passage = "The Danube flows through Vienna and ends in the Black Sea."
+    wrapped = 'What is the answer to this question: What is the answer to the question: "Where does the Danube end?"'
+    for raw in ['\n Question: "Where does the Danube end?" It ends in the Black Sea.', wrapped]:
+        assert clean_question(raw, passage) == "Where does the Danube end?"
+    generic = ["What is the answer to this question?", "What is the passage about?", "Which sport is this?"]
+    for degenerate in ["", "   \n", "Why?", "the the the the the the", "1 2 3 4", " ".join(["word"] * 50), *generic]:
+        assert clean_question(degenerate, passage) is None, degenerate
+    assert clean_question("Which sport is this?") == "Which sport is this?"  # no passage: not checked against one
 
 
 def test_training_writes_an_adapter_that_fast_serves(store, tmp_path, monkeypatch) -> None:

@@ -67,7 +67,8 @@ def held_out_documents(doc_ids: Iterable[str], share: float = HELD_OUT) -> set[s
 
 class StorePairSource:
     """Up to ``pairs`` (chunks, question) pairs from ``store`` (about ``held_out`` of them for validation), each
-    with the top ``k`` chunks the store retrieves for its question; ``write_questions`` makes what is missing."""
+    with the top ``k`` chunks the store retrieves for its question; ``write_questions`` makes what is missing
+    (``write``: the question writer, default ``questions.write_question``)."""
 
     def __init__(
         self,
@@ -77,12 +78,12 @@ class StorePairSource:
         pairs: int,
         k: int = 5,
         held_out: float = HELD_OUT,
-        write: Callable[[RagEngine, str], str] = write_question,
+        write: Callable[[RagEngine, str], str] | None = None,
     ) -> None:
         if pairs < 2 or k < 1 or not 0 < held_out < 1:
             msg = f"tune --store needs --pairs >= 2, -k >= 1 and 0 < --held-out < 1; got {pairs}, {k}, {held_out}"
             raise PCRagError(msg)
-        self.store, self.engine, self.k, self.write = store, store.engine, k, write
+        self.store, self.engine, self.k, self.write = store, store.engine, k, write or write_question
         self.directory = Path(directory)
         self.val_wanted = max(1, round(pairs * held_out))
         self.wanted = {"train": pairs - self.val_wanted, "val": self.val_wanted}
@@ -147,8 +148,9 @@ class StorePairSource:
         return self.store.chunks([self.store.handle(int(i)) for i in pair.doc_ids])
 
     def _question(self, key: str, split: str) -> QuestionRecord:
-        raw = self.write(self.engine, self.store.manifest.chunks[self._ids[key]].text)
-        question = clean_question(raw)
+        passage = self.store.manifest.chunks[self._ids[key]].text
+        raw = self.write(self.engine, passage)
+        question = clean_question(raw, passage)
         if question is None:
             return QuestionRecord(key, split, raw, None, (), False)
         context = self._retrieve(question, exclude_held_out=split == "train")
