@@ -1,6 +1,6 @@
 """A bounded load test of ``pc-rag serve`` on loopback: concurrent RAG requests against serial ones.
 
-    HF_HUB_OFFLINE=1 python examples/load_test.py --json examples/results/load_issue16.json
+    HF_HUB_OFFLINE=1 python examples/load_test.py --json examples/results/load_serve.json
 
 Builds a store from the bundled HotpotQA sample's passages (or takes ``--store``), starts ``pc-rag serve`` on a
 free loopback port as its own process, asks every sample question once, one at a time (the serial answers),
