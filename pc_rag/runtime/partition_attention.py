@@ -23,9 +23,12 @@ import torch
 
 from pc_rag.attention import FLASH_CPU
 
-# Rows of a matmul come in multiples of this (batch rows, queries of a shared run): the CPU's GEMM gives a row the
-# same bits at any row count that is a multiple of 4 (with one or two threads; 1-3 rows, or 5-7 split over two
-# threads, take other kernels), so padding keeps a row's result independent of how many others share the matmul
+# Rows of a matmul come in multiples of this (batch rows, the queries of a shared run, a row's queries over its
+# private keys): the CPU's float32 GEMM (MKL) and flash attention give a row the same bits at any row count that is
+# a multiple of 4, on the AVX-512 and the AVX2 kernels and at 1 to 16 threads (measured with torch 2.13 and MKL
+# 2024.2; 3 queries over several threads, or 1-3 rows of a GEMM, take other kernels), so padding keeps a row's
+# result independent of how many others share the matmul. float32 and bfloat16 rows so get the same bits; int8 and
+# int4 rows only while every matmul has at most ``weights.KERNEL_ROWS`` rows (past that, the dense copy)
 ROW_MULTIPLE = 4
 
 
@@ -65,7 +68,10 @@ def partition_attention(
     kv_heads = private_keys.shape[1]
     n_rep = heads // kv_heads
     grouped = query.view(batch, kv_heads, n_rep, dim)
-    out, lse = attend_with_lse(grouped, private_keys, private_values, private[:, None, None, :], scale)
+    # each (row, KV head) is its own problem of n_rep queries; padded to ROW_MULTIPLE queries, it takes the same
+    # kernels alone as in a batch (with several threads, 3 queries took others)
+    out, lse = attend_with_lse(_padded(grouped), private_keys, private_values, private[:, None, None, :], scale)
+    out, lse = out[:, :, :n_rep], lse[:, :, :n_rep]
     if not runs:
         return out.reshape(batch, heads, dim)
     outs, lses = [out], [lse]  # each part's output [n, H_kv, n_rep, D] and log-sum-exp over its n rows
@@ -84,14 +90,16 @@ def chunk_first(grouped: torch.Tensor, run: SharedRun, scale: float) -> tuple[to
     n = run.readers.shape[0]
     every_row = n == batch  # distinct rows in increasing order: all of them, in order
     q = (grouped if every_row else grouped[run.readers]).transpose(0, 1).reshape(1, kv_heads, n * n_rep, dim)
-    pad = padded_rows(n * n_rep) - n * n_rep  # repeated queries, dropped after
-    if pad:
-        q = torch.cat([q, q[:, :, :1].expand(-1, -1, pad, -1)], 2)
     mask = run.mask[None, None, None, :] if run.mask is not None else None
-    out, lse = attend_with_lse(q, run.keys[None], run.values[None], mask, scale)
-    if pad:
-        out, lse = out[:, :, : n * n_rep], lse[:, :, : n * n_rep]
+    out, lse = attend_with_lse(_padded(q), run.keys[None], run.values[None], mask, scale)
+    out, lse = out[:, :, : n * n_rep], lse[:, :, : n * n_rep]
     return out[0].unflatten(1, (n, n_rep)).transpose(0, 1), lse[0].unflatten(1, (n, n_rep)).transpose(0, 1)
+
+
+def _padded(queries: torch.Tensor) -> torch.Tensor:
+    """``queries`` [.., H_kv, Q, D] with its first query repeated up to ``padded_rows(Q)`` (outputs dropped after)."""
+    pad = padded_rows(queries.shape[2]) - queries.shape[2]
+    return torch.cat([queries, queries[:, :, :1].expand(-1, -1, pad, -1)], 2) if pad else queries
 
 
 def _every_part_of_every_row(
@@ -112,8 +120,20 @@ def _every_part_of_every_row(
 
 def _merge(out: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
     """Parts ``out`` [T, B, H_kv, n_rep, D] merged into [B, H_kv, n_rep, D], each weighted by its share of its
-    row's softmax mass (the softmax of the parts' log-sum-exp ``lse`` [T, B, H_kv, n_rep]), added in part order."""
-    return (out * torch.softmax(lse, dim=0)[..., None]).sum(0)
+    row's softmax mass (the parts' log-sum-exp ``lse`` [T, B, H_kv, n_rep]), added in part order.
+
+    Elementwise operations only, so an element's bits depend on its own row's values, not on where the row sits
+    or how many rows there are: max is exact, subtraction, products, sums in part order and the division are
+    correctly rounded in any layout, and ``torch.exp`` gives the same bits in its vector loop and its scalar
+    tail (measured on the AVX-512 and the AVX2 kernels). ``torch.softmax`` over a non-last dimension does not:
+    with it a row's weights depended on the batch size, by 1e-8 (then 1e-6 in the logits of
+    ``test_a_row_gets_the_same_bits_alone_as_in_any_batch``)."""
+    weights = torch.exp(lse - lse.amax(0))  # the private part sees a key, so each row's max is finite
+    weighted = out * weights[..., None]
+    merged, total = weighted[0], weights[0]
+    for part in range(1, out.shape[0]):  # a part a row does not read adds exact zeros
+        merged, total = merged + weighted[part], total + weights[part]
+    return merged / total[..., None]
 
 
 def attend_with_lse(

@@ -101,6 +101,33 @@ def test_a_row_merges_to_the_same_bits_alone_as_beside_rows_reading_other_runs(o
     assert torch.equal(batched[0], alone[0])
 
 
+def test_merge_gives_a_row_the_same_bits_at_any_place_in_any_batch():
+    """Every row, in batches of 1 to 9 rows and at any place in them, gets the bits it gets alone: neither the
+    passes nor the merge may depend on how many rows there are or where a row sits (the vector loops' lanes and
+    tails are placed by the batch size; ``test_avx2_kernels`` runs this on the AVX2 kernels too)."""
+    g = torch.Generator().manual_seed(5)
+    rows, heads, kv_heads, dim, capacity = 9, 6, 2, 16, 64
+    query = torch.randn(rows, heads, dim, generator=g)
+    private = torch.randn(2, rows, kv_heads, capacity, dim, generator=g)
+    mask = private_mask(torch.randint(1, capacity + 1, (rows,), generator=g), capacity, torch.float32)
+    shared = [torch.randn(2, kv_heads, length, dim, generator=g) for length in (37, 20, 70)]
+    reads = [set(range(rows)), {1, 2, 5, 8}, {0, 3, 4, 5}]  # who reads each run
+
+    def attend(batch: list[int]) -> torch.Tensor:
+        runs = []
+        for (keys, values), readers in zip(shared, reads, strict=True):
+            mine = [place for place, row in enumerate(batch) if row in readers]
+            if mine:
+                runs.append(SharedRun(keys, values, torch.tensor(mine)))
+        return partition_attention(query[batch], runs, private[0, batch], private[1, batch], mask[batch], 0.25)
+
+    alone = [attend([row])[0] for row in range(rows)]
+    for size in range(1, rows + 1):
+        batch = torch.randperm(rows, generator=g)[:size].tolist()
+        for place, row in enumerate(attend(batch)):
+            assert torch.equal(row, alone[batch[place]]), f"row {batch[place]} at place {place} of {size}"
+
+
 @pytest.mark.parametrize("gaps", [False, True])
 def test_without_the_fused_kernel_the_matmul_path_agrees(monkeypatch, gaps):
     sharing = [[True] * 6, [True, False, True, False, True, False], [False, True] * 3]
