@@ -4,6 +4,7 @@ keeps the mode it recorded."""
 from __future__ import annotations
 
 import logging
+import os
 
 import pytest
 import torch
@@ -80,3 +81,32 @@ def test_the_cli_says_the_fallback_once(tmp_path, lm, monkeypatch, caplog) -> No
     with caplog.at_level(logging.WARNING):
         assert main(["index", str(tmp_path / "docs"), "--store", str(tmp_path / "store")]) == 0
     assert len(notices(caplog)) == 1
+
+
+def test_engines_on_one_model_share_its_merged_adapter(tmp_path, tokenizer, monkeypatch) -> None:
+    """``fast`` is the default: a second engine (a LangChain LLM beside a server, a store built beside them) on
+    the same model merges nothing twice, and a rewritten adapter file is refused rather than served by some
+    engines and not others."""
+    from pc_rag.rag.adapter import AdapterError
+    from pc_rag.rag.tuned import adapter_file
+
+    monkeypatch.setenv("PC_RAG_CACHE", str(tmp_path))
+    lm = tiny_model("llama", tokenizer)
+    torch.manual_seed(0)
+    trained = SpliceAdapter(lm.model, AdapterConfig(rank=2), lm.fingerprint())
+    path = tmp_path / "tuned" / adapter_file(lm.fingerprint())
+    path.parent.mkdir()
+    trained.save(path)
+    first, second = RagEngine(lm, RagPrompt()), RagEngine(lm, RagPrompt())
+    assert first.tuned.adapter() is second.tuned.adapter()
+    chunks = first.encode(["The Zorblax Tower was designed by Mirela Vantok."])
+    assert (
+        first.answer(chunks, "Who?", max_new_tokens=3).token_ids
+        == second.answer(chunks, "Who?", max_new_tokens=3).token_ids
+    )
+    trained.save(path)  # rewritten (a new pc-rag tune), a millisecond later whatever the clock's resolution
+    stamp = path.stat().st_mtime_ns + 1_000_000
+    os.utime(path, ns=(stamp, stamp))
+    with pytest.raises(AdapterError, match="load the model again"):
+        RagEngine(lm, RagPrompt()).tuned.adapter()
+    first.tuned.adapter().detach()

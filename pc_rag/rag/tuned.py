@@ -10,12 +10,15 @@ not exist fails with a message saying how to make it. This module knows nothing 
 from __future__ import annotations
 
 import threading
+import weakref
 from pathlib import Path
+
+from torch import nn
 
 from pc_rag.calibration import Calibration
 from pc_rag.errors import PCRagError
 from pc_rag.model import LoadedModel, cache_dir
-from pc_rag.rag.adapter import SpliceAdapter
+from pc_rag.rag.adapter import AdapterError, SpliceAdapter
 
 PACKAGED = Path(__file__).resolve().parent.parent / "data" / "tuned"
 
@@ -45,6 +48,30 @@ def find_codec_tables(fingerprint: str) -> Path | None:
     )
 
 
+_MERGED: weakref.WeakKeyDictionary[nn.Module, tuple[Path, int, SpliceAdapter]] = weakref.WeakKeyDictionary()
+_MERGED_LOCK = threading.Lock()
+
+
+def merged_adapter(lm: LoadedModel, path: Path, fingerprint: str) -> SpliceAdapter:
+    """The adapter at ``path`` merged into ``lm``'s layers, once per model: every engine on one model serves
+    through the same merged copy (a layer holds one merged adapter). Another file, or this one rewritten since
+    (``pc-rag tune``), is refused while the model serves the first: engines already made would change."""
+    stamp = path.stat().st_mtime_ns
+    with _MERGED_LOCK:
+        found = _MERGED.get(lm.model)
+        if found is not None and found[:2] == (path, stamp):
+            return found[2]
+        if found is not None:
+            msg = (
+                f"this model already serves the splice adapter {found[0]} as it was when first loaded; "
+                f"{path} is another file or was rewritten since: load the model again to serve it"
+            )
+            raise AdapterError(msg)
+        adapter = SpliceAdapter.load(path, lm.model, fingerprint).attach(merged=True)
+        _MERGED[lm.model] = (path, stamp, adapter)
+        return adapter
+
+
 class Tuned:
     """A model's adapter and calibration, found and loaded once, on first use (thread-safe)."""
 
@@ -69,8 +96,7 @@ class Tuned:
         with self._lock:
             if self._adapter is None:
                 path = self._find(adapter_file(self.fingerprint()), "splice adapter")
-                adapter = SpliceAdapter.load(path, self.lm.model, self.fingerprint())
-                self._adapter = adapter.attach(merged=True)
+                self._adapter = merged_adapter(self.lm, path, self.fingerprint())
             return self._adapter
 
     def has_adapter(self) -> bool:
