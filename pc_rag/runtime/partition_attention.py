@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from pc_rag.attention import FLASH_CPU
+from pc_rag.runtime.flex_attention import flex_with_lse
 
 # Rows of a matmul come in multiples of this (batch rows, the queries of a shared run, a row's queries over its
 # private keys): the CPU's float32 GEMM (MKL) and flash attention give a row the same bits at any row count that is
@@ -145,10 +146,13 @@ def attend_with_lse(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention output [B, H_kv, Q, D] and each query's log-sum-exp of its scores [B, H_kv, Q].
 
-    On the CPU the fused flash kernel (one pass, never a [Q, S] score matrix per head in memory); elsewhere
-    matmuls and a softmax, which a GPU runs well at decode sizes."""
+    On the CPU the fused flash kernel (one pass, never a [Q, S] score matrix per head in memory); on CUDA
+    FlexAttention compiled to one Triton kernel per pass (``flex_attention.py``); elsewhere matmuls and a
+    softmax."""
     if FLASH_CPU is not None and query.device.type == "cpu":
         return FLASH_CPU(query, keys, values, attn_mask=mask, scale=scale)
+    if query.device.type == "cuda":
+        return flex_with_lse(query, keys, values, mask, scale)
     out, lse = _attend_matmul(query, keys, values, mask, scale)
     return out.to(query.dtype), lse
 
