@@ -163,9 +163,9 @@ def ask(lm: LoadedModel, store_dir: Path, question: str, *, k: int, mode: str | 
                f"still be running: it commits every {COMMIT_EVERY_CHUNKS} chunks or {COMMIT_EVERY_SECONDS:.0f} s); "
                "ask again when it has")  # fmt: skip
         raise StoreError(msg)
-    if k > len(store):
-        msg = f"k={k} is larger than the store ({len(store)} chunks)"
-        raise StoreError(msg)
+    if k > len(store):  # a small store: read all of it, as a user asking for "up to k" sources expects
+        print(f"note: the store holds {len(store)} chunks, fewer than k={k}: all of them are read", file=sys.stderr)
+        k = len(store)
     server = PromptServer(store=store)
     warm_up(server, question, k=k, mode=mode, full=compare_full)
     answer = server.answer(question, k=k, mode=mode, max_new_tokens=max_new_tokens)

@@ -48,7 +48,6 @@ def test_recode_reports_what_it_did_as_json(corpus, capsys) -> None:
     ("args", "message"),
     [
         (["ask", "--store", "{tmp}/nowhere", "q"], "not a pc-rag store"),
-        (["ask", "--store", "{tmp}/store", "-k", "9", "q"], "larger than the store"),
         (["ask", "--store", "{tmp}/store", "-k", "2", "word " * 9000], "exceeds"),
         (["index", "{tmp}/binary.txt", "--store", "{tmp}/other"], "looks binary"),
     ],
@@ -60,3 +59,13 @@ def test_bad_input_exits_non_zero(corpus, capsys, args: list[str], message: str)
     assert main([a.replace("{tmp}", str(corpus)) for a in args]) == 2
     assert message in capsys.readouterr().err
     assert not (corpus / "other" / MANIFEST_NAME).exists()  # nothing written half-way
+
+
+def test_ask_reads_a_store_smaller_than_k_whole(corpus, capsys) -> None:
+    """The README's `ask ... -k 5` on a store of two chunks answers from both, with a note (it was an error)."""
+    assert main(["index", str(corpus / "docs"), "--store", str(corpus / "store")]) == 0
+    capsys.readouterr()
+    assert main(["ask", "--store", str(corpus / "store"), "-k", "9", "--max-new-tokens", "4", "q"]) == 0
+    out, err = capsys.readouterr()
+    assert "holds 2 chunks, fewer than k=9: all of them are read" in err
+    assert out.count("\n  [") == 2  # both chunks listed as sources
