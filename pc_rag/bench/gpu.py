@@ -154,18 +154,12 @@ def build_model(shape: Shape, device: str, tokenizer_dir: Path) -> Any:
 def ttft_prompt_cache(bench: GpuBench) -> list[dict[str, Any]]:
     """Prompt Cache: a schema of passage modules, cached (splice + question) against full prefill of the same
     tokens; then the same with the module KV in pinned host memory, copied per request (no gate)."""
-    from pc_rag.bench.ttft import QUESTION, _build_schema
     from pc_rag.engine import PromptCache
-    from pc_rag.pml.builder import PromptBuilder
 
     pc = PromptCache(bench.lm)
     rows = []
     for label, target in (("2k", 2048), ("8k", 8192), ("32k", 32768)):
-        name, modules = _build_schema(pc, bench.tokens(target))
-        builder = PromptBuilder(name)
-        for module in modules:
-            builder.use(module)
-        prompt = builder.user(QUESTION).build()
+        name, prompt = _passages_prompt(pc, bench.tokens(target))
         ids = pc.full_prompt_ids(prompt)
         full = bench.median_ms(lambda ids=ids: pc.generate_ids(ids, max_new_tokens=1).stats.ttft_ms)
         cached = bench.median_ms(lambda p=prompt: pc.generate(p, max_new_tokens=1).stats.ttft_ms)
@@ -186,6 +180,19 @@ def ttft_prompt_cache(bench: GpuBench) -> list[dict[str, Any]]:
         Gate("prompt_cache_cached_ttft_2k_ms", by["2k"]["cached_ms"], 10, at_least=False, unit="ms"),
     ]
     return rows
+
+
+def _passages_prompt(pc: Any, tokens: int) -> tuple[str, Any]:
+    """A schema of passage modules making about ``tokens`` tokens, registered in ``pc``, and a prompt importing
+    all of them with the benchmark question (``bench ttft``'s workload)."""
+    from pc_rag.bench.ttft import QUESTION, _build_schema
+    from pc_rag.pml.builder import PromptBuilder
+
+    name, modules = _build_schema(pc, tokens)
+    builder = PromptBuilder(name)
+    for module in modules:
+        builder.use(module)
+    return name, builder.user(QUESTION).build()
 
 
 RAG_MODES = {"prefix": "prefix", "default": "selective:0.25"}
@@ -234,10 +241,8 @@ def _answer_ms(engine: Any, chunks: Any, question: str, mode: str) -> float:
 
 def decode_speed(bench: GpuBench, new_tokens: int = 64) -> list[dict[str, Any]]:
     """Single-stream decode tokens/s after a cached prompt and after full prefill of the same tokens."""
-    from pc_rag.bench.ttft import QUESTION, _build_schema
     from pc_rag.engine import PromptCache
     from pc_rag.generate import GenerationResult
-    from pc_rag.pml.builder import PromptBuilder
 
     def per_s(result: GenerationResult) -> float:
         stats = result.stats
@@ -246,11 +251,7 @@ def decode_speed(bench: GpuBench, new_tokens: int = 64) -> list[dict[str, Any]]:
     pc = PromptCache(bench.lm)
     rows = []
     for label, target in (("1k", 1024), ("8k", 8192)):
-        name, modules = _build_schema(pc, bench.tokens(target))
-        builder = PromptBuilder(name)
-        for module in modules:
-            builder.use(module)
-        prompt = builder.user(QUESTION).build()
+        name, prompt = _passages_prompt(pc, bench.tokens(target))
         ids = pc.full_prompt_ids(prompt)
         pc.generate(prompt, max_new_tokens=4)  # warm-up: buffers, graphs
         pc.generate_ids(ids, max_new_tokens=4)
