@@ -30,23 +30,29 @@ from pc_rag.weights import FusedKernel
 
 _ARCHITECTURES = {"llama", "mistral", "qwen2", "qwen3"}  # rotate-half RoPE on the whole head, RMSNorm, SiLU MLP
 _BUILT: weakref.WeakKeyDictionary[nn.Module, dict[type, object]] = weakref.WeakKeyDictionary()
-_LOCK = threading.Lock()
+_LOCK = threading.RLock()
 
 T = TypeVar("T")
 
 
-def built_once(kind: Callable[[PreTrainedModel], T], model: PreTrainedModel) -> T | None:
-    """``kind(model)``, built once per model and kind (``DecodeStep``, the batched step, the packed prefill); None
-    when a step written out like ``DecodeStep`` would not equal the model's forward (``describes``)."""
-    with _LOCK:
+def built_once(kind: Callable[[PreTrainedModel], T], model: PreTrainedModel, described_only: bool = True) -> T | None:
+    """``kind(model)``, built once per model and kind (``DecodeStep``, the batched step, the packed prefill, the
+    model runner); None when a step written out like ``DecodeStep`` would not equal the model's forward
+    (``describes``), unless ``described_only`` is False (a kind that serves every model)."""
+    with _LOCK:  # reentrant: a kind may build the kinds it uses
         built = _BUILT.setdefault(model, {})
         if kind not in built:
-            built[kind] = kind(model) if describes(model) else None
+            built[kind] = kind(model) if describes(model) or not described_only else None
         return built[kind]  # type: ignore[return-value]
 
 
 class FusedLayer:
-    """One decoder layer's modules, with its projections fused where the weights allow."""
+    """One decoder layer's modules, with its projections fused where the weights allow.
+
+    ``project`` and ``finish`` are the layer around its attention, for ``x`` [N, T, hidden] (N sequences of T
+    tokens): every step written out here (one token, a batch of rows, a padded bucket of tokens) calls them and
+    differs only in how it attends. ``fused``: use the fused kernels (quantized layers, at most
+    ``weights.KERNEL_ROWS`` rows)."""
 
     def __init__(self, layer: nn.Module) -> None:
         self.layer = layer
@@ -54,30 +60,45 @@ class FusedLayer:
         self.qkv = FusedKernel.of([attn.q_proj, attn.k_proj, attn.v_proj])
         self.gate_up = FusedKernel.of([mlp.gate_proj, mlp.up_proj])
 
+    def project(
+        self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], fused: bool = True
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Queries [N, H, T, D] and keys [N, H_kv, T, D] after RoPE, and values [N, H_kv, T, D], of ``x``."""
+        layer = self.layer
+        attn = layer.self_attn
+        rows, count, head_dim = x.shape[0], x.shape[1], attn.head_dim
+        h = rms_norm(layer.input_layernorm, x)
+        if fused and self.qkv is not None:
+            q, k, v = self.qkv(h)
+        else:
+            q, k, v = attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)
+        q, k = q.view(rows, count, -1, head_dim), k.view(rows, count, -1, head_dim)
+        if hasattr(attn, "q_norm"):  # Qwen3 normalizes each head's query and key
+            q, k = rms_norm(attn.q_norm, q), rms_norm(attn.k_norm, k)
+        q, k = apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), *rotary)
+        return q, k, v.view(rows, count, -1, head_dim).transpose(1, 2)
+
+    def finish(self, x: torch.Tensor, attended: torch.Tensor, fused: bool = True) -> torch.Tensor:
+        """The layer's output: ``x`` plus the attention output ``attended`` [N, T, H * D] through ``o_proj``, then
+        the MLP block."""
+        layer = self.layer
+        mlp = layer.mlp
+        x = x + layer.self_attn.o_proj(attended)
+        h = rms_norm(layer.post_attention_layernorm, x)
+        if fused and self.gate_up is not None:
+            gate, up = self.gate_up(h)
+        else:
+            gate, up = mlp.gate_proj(h), mlp.up_proj(h)
+        return x + mlp.down_proj(F.silu(gate) * up)
+
     def __call__(
         self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], keys: torch.Tensor, values: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The layer's output for ``x`` [1, 1, hidden] after the cached ``keys``/``values`` [1, H_kv, S, D], and
         the new token's key and value [1, H_kv, 1, D] (the caller writes them into the cache)."""
-        layer = self.layer
-        attn, mlp = layer.self_attn, layer.mlp
-        h = rms_norm(layer.input_layernorm, x)
-        if self.qkv is not None:
-            q, k, v = self.qkv(h)
-        else:
-            q, k, v = attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)
-        q, k = q.view(1, 1, -1, attn.head_dim), k.view(1, 1, -1, attn.head_dim)
-        if hasattr(attn, "q_norm"):  # Qwen3 normalizes each head's query and key
-            q, k = rms_norm(attn.q_norm, q), rms_norm(attn.k_norm, k)
-        q, k = apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), *rotary)
-        v = v.view(1, 1, -1, attn.head_dim).transpose(1, 2)
-        x = x + attn.o_proj(decode_attention(q, k, v, keys, values, attn.scaling))
-        h = rms_norm(layer.post_attention_layernorm, x)
-        if self.gate_up is not None:
-            gate, up = self.gate_up(h)
-        else:
-            gate, up = mlp.gate_proj(h), mlp.up_proj(h)
-        return x + mlp.down_proj(F.silu(gate) * up), k, v
+        q, k, v = self.project(x, rotary)
+        attended = decode_attention(q, k, v, keys, values, self.layer.self_attn.scaling)
+        return self.finish(x, attended), k, v
 
 
 class DecodeStep:

@@ -18,12 +18,10 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 from transformers import PreTrainedModel
-from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from pc_rag.attention import FLASH_CPU, attend_after_cache
-from pc_rag.decode_step import built_once, rms_norm
+from pc_rag.decode_step import FusedLayer, built_once, rms_norm
 from pc_rag.kv import KVBuffer
 from pc_rag.runtime.partition_attention import padded_rows
 
@@ -44,6 +42,7 @@ class BatchPrefill:
     def __init__(self, model: PreTrainedModel) -> None:
         self._model = model
         self._decoder = model.get_decoder()
+        self._layers = [FusedLayer(layer) for layer in self._decoder.layers]
 
     @classmethod
     def of(cls, model: PreTrainedModel) -> BatchPrefill | None:
@@ -66,7 +65,7 @@ class BatchPrefill:
         for job in jobs:
             bounds.append((start, start + len(job.ids)))
             start += len(job.ids)
-        for layer_index, layer in enumerate(decoder.layers):
+        for layer_index, layer in enumerate(self._layers):
             x = _layer(layer, layer_index, x, rotary, jobs, bounds, total)
         last = torch.tensor([end - 1 for _, end in bounds], device=device)
         rows = torch.cat([last, last.new_full((padded_rows(len(jobs)) - len(jobs),), int(last[0]))])
@@ -75,30 +74,23 @@ class BatchPrefill:
 
 
 def _layer(
-    layer: nn.Module, index: int, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor],
+    layer: FusedLayer, index: int, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor],
     jobs: Sequence[PrefillJob], bounds: Sequence[tuple[int, int]], total: int,
 ) -> torch.Tensor:  # fmt: skip
-    """One decoder layer over the packed rows ``x`` [1, padded, hidden]; attention per job over its buffer."""
-    attn, mlp = layer.self_attn, layer.mlp
+    """One decoder layer over the packed rows ``x`` [1, padded, hidden]; attention per job over its buffer. The
+    projections take the dense layers, never the fused kernels, at any row count."""
     padded = x.shape[1]
-    h = rms_norm(layer.input_layernorm, x)
-    q, k, v = attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)
-    q, k = q.view(1, padded, -1, attn.head_dim), k.view(1, padded, -1, attn.head_dim)
-    if hasattr(attn, "q_norm"):  # Qwen3 normalizes each head's query and key
-        q, k = rms_norm(attn.q_norm, q), rms_norm(attn.k_norm, k)
-    q, k = apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), *rotary)  # [1, H(_kv), padded, D]
-    v = v.view(1, padded, -1, attn.head_dim).transpose(1, 2)
+    q, k, v = layer.project(x, rotary, fused=False)  # [1, H(_kv), padded, D]
     outs = []
     for job, (a, b) in zip(jobs, bounds, strict=True):
         keys, values = job.buffer.keys[index], job.buffer.values[index]  # [1, H_kv, capacity, D]
         end = job.length + b - a
         keys[:, :, job.length : end] = k[:, :, a:b]
         values[:, :, job.length : end] = v[:, :, a:b]
-        outs.append(_attend(q[:, :, a:b], keys[:, :, :end], values[:, :, :end], attn.scaling))  # [1, n, H, D]
+        scale = layer.layer.self_attn.scaling
+        outs.append(_attend(q[:, :, a:b], keys[:, :, :end], values[:, :, :end], scale))  # [1, n, H, D]
     out = torch.cat([*outs, outs[0][:, :1].expand(-1, padded - total, -1, -1)], dim=1)
-    x = x + attn.o_proj(out.reshape(1, padded, -1))
-    h = rms_norm(layer.post_attention_layernorm, x)
-    return x + mlp.down_proj(F.silu(mlp.gate_proj(h)) * mlp.up_proj(h))
+    return layer.finish(x, out.reshape(1, padded, -1), fused=False)
 
 
 def _attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:

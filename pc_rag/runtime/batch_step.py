@@ -21,9 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from transformers import PreTrainedModel
-from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from pc_rag.decode_step import FusedLayer, built_once, rms_norm
 from pc_rag.runtime.arena import CAPACITY_STEP, PrivateArena
@@ -119,30 +117,15 @@ class _BatchLayer(FusedLayer):
         ``partition_attention.ROW_MULTIPLE``); writes each live row's new key and value into ``keys``/``values``
         [rows, H_kv, capacity, D] at ``lengths[b]``, and attends to the entries of each row ``private`` (its additive
         mask [B, P], ``private_mask``) lets it see."""
-        layer = self.layer
-        attn, mlp = layer.self_attn, layer.mlp
+        attn = self.layer.self_attn
         padded, batch = x.shape[0], rows.shape[0]
         fused = x.dtype == torch.bfloat16 and padded <= KERNEL_ROWS
-        h = rms_norm(layer.input_layernorm, x)
-        if fused and self.qkv is not None:
-            q, k, v = self.qkv(h)
-        else:
-            q, k, v = attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)
-        q, k = q.view(padded, 1, -1, attn.head_dim), k.view(padded, 1, -1, attn.head_dim)
-        if hasattr(attn, "q_norm"):  # Qwen3 normalizes each head's query and key
-            q, k = rms_norm(attn.q_norm, q), rms_norm(attn.k_norm, k)
-        q, k = apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), *rotary)  # [padded, H(_kv), 1, D]
+        q, k, v = self.project(x, rotary, fused)  # [padded, H(_kv), 1, D]
         keys[rows, :, lengths] = k[:batch, :, 0]
-        values[rows, :, lengths] = v[:batch].view(batch, -1, attn.head_dim)
+        values[rows, :, lengths] = v[:batch, :, 0]
         capacity = private.shape[1]
         own_keys, own_values = keys[:batch, :, :capacity], values[:batch, :, :capacity]
         out = partition_attention(q[:batch, :, 0], runs, own_keys, own_values, private, attn.scaling)
         if padded > batch:
             out = torch.cat([out, out[:1].expand(padded - batch, -1, -1)])  # [padded, H, D]
-        x = x + attn.o_proj(out.reshape(padded, 1, -1))
-        h = rms_norm(layer.post_attention_layernorm, x)
-        if fused and self.gate_up is not None:
-            gate, up = self.gate_up(h)
-        else:
-            gate, up = mlp.gate_proj(h), mlp.up_proj(h)
-        return x + mlp.down_proj(F.silu(gate) * up)
+        return self.finish(x, out.reshape(padded, 1, -1), fused)
