@@ -41,16 +41,10 @@ def flex_with_lse(
     score_mod = None
     if mask is not None:
         assert mask.dim() == 4 and mask.shape[1] == mask.shape[2] == 1, f"a key mask per row, got {tuple(mask.shape)}"
-        rows = mask.reshape(mask.shape[0], mask.shape[-1]).to(torch.float32)  # [B or 1, S]
-        if rows.shape[0] == 1:
+        rows = mask.reshape(mask.shape[0], -1).float().expand(query.shape[0], -1)  # [B, S], one mask per row
 
-            def score_mod(score: torch.Tensor, b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, kv: torch.Tensor):
-                return score + rows[0, kv]
-
-        else:
-
-            def score_mod(score: torch.Tensor, b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, kv: torch.Tensor):
-                return score + rows[b, kv]
+        def score_mod(score: torch.Tensor, b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, kv: torch.Tensor):
+            return score + rows[b, kv]
 
     attend = compiled_flex() if compiled else flex_attention
     out, lse = attend(query, keys, values, score_mod=score_mod, scale=scale, return_lse=True)

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import weakref
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
@@ -29,11 +28,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel
-from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
+from pc_rag.assemble import forward_new_tokens
 from pc_rag.decode_step import DecodeStep, FusedLayer, built_once, rms_norm
 from pc_rag.kv import BufferCache, KVBuffer
-from pc_rag.model_call import with_cache
 from pc_rag.weights import KERNEL_ROWS
 
 logger = logging.getLogger(__name__)
@@ -103,29 +101,19 @@ class StaticForward:
         visible: torch.Tensor,
     ) -> torch.Tensor:
         """One decoder layer on ``x`` [1, T, hidden]; writes its keys and values into the layer's [1, H_kv, C, D]."""
-        layer = fused.layer
-        attn, mlp = layer.self_attn, layer.mlp
-        count, head_dim = x.shape[1], attn.head_dim
-        h = rms_norm(layer.input_layernorm, x)
+        count = x.shape[1]
         small = count <= KERNEL_ROWS  # a quantized fused kernel takes at most KERNEL_ROWS rows
-        q, k, v = fused.qkv(h) if fused.qkv and small else (attn.q_proj(h), attn.k_proj(h), attn.v_proj(h))
-        q, k = q.view(1, count, -1, head_dim), k.view(1, count, -1, head_dim)
-        if hasattr(attn, "q_norm"):  # Qwen3 normalizes each head's query and key
-            q, k = rms_norm(attn.q_norm, q), rms_norm(attn.k_norm, k)
-        q, k = apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), *rotary)  # [1, H, T, D], [1, H_kv, T, D]
-        v = v.view(1, count, -1, head_dim).transpose(1, 2)
+        q, k, v = fused.project(x, rotary, small)  # [1, H, T, D], [1, H_kv, T, D]
         keys[0].index_copy_(1, slots, k[0])
         values[0].index_copy_(1, slots, v[0])
-        kv_heads = keys.shape[1]
+        kv_heads, head_dim = keys.shape[1], q.shape[-1]
         n_rep = q.shape[1] // kv_heads
         folded = q.reshape(1, kv_heads, n_rep * count, head_dim)  # rows (r, t), r major
         mask = visible.repeat(n_rep, 1)[None, None]  # [1, 1, n_rep * T, C]
-        out = F.scaled_dot_product_attention(folded, keys, values, attn_mask=mask, scale=attn.scaling)
+        scale = fused.layer.self_attn.scaling
+        out = F.scaled_dot_product_attention(folded, keys, values, attn_mask=mask, scale=scale)
         out = out.view(1, kv_heads * n_rep, count, head_dim).transpose(1, 2).reshape(1, count, -1)
-        x = x + attn.o_proj(out)
-        h = rms_norm(layer.post_attention_layernorm, x)
-        gate, up = fused.gate_up(h) if fused.gate_up and small else (mlp.gate_proj(h), mlp.up_proj(h))
-        return x + mlp.down_proj(F.silu(gate) * up)
+        return fused.finish(x, out, small)
 
 
 class GraphedForward:
@@ -137,10 +125,10 @@ class GraphedForward:
     def __init__(self, forward: StaticForward, buffer: KVBuffer, bucket: int, pool: Any) -> None:
         device = buffer.keys.device
         self.buffer, self.bucket = buffer, bucket
-        self.tokens = torch.zeros(1, bucket, dtype=torch.long, device=device)
-        self.positions = torch.zeros(1, bucket, dtype=torch.long, device=device)
-        self.length = torch.zeros(1, dtype=torch.long, device=device)
-        self.last = torch.zeros(1, dtype=torch.long, device=device)
+        # every input in one device tensor, so a replay's inputs arrive in one copy: tokens, positions, length, last
+        self.inputs = torch.zeros(2 * bucket + 2, dtype=torch.long, device=device)
+        self.tokens, self.positions = self.inputs[:bucket].view(1, bucket), self.inputs[bucket:-2].view(1, bucket)
+        self.length, self.last = self.inputs[-2:-1], self.inputs[-1:]
         args = (self.tokens, self.positions, self.length, self.last, buffer.keys, buffer.values)
         stream = torch.cuda.Stream(device)
         stream.wait_stream(torch.cuda.current_stream(device))
@@ -155,12 +143,8 @@ class GraphedForward:
         count = len(ids)
         padded_ids = [*ids, *([0] * (self.bucket - count))]
         padded_positions = [*positions, *([positions[-1]] * (self.bucket - count))]
-        staged = torch.tensor([padded_ids, padded_positions, [length] * self.bucket, [count - 1] * self.bucket])
-        staged = staged.pin_memory().to(self.tokens.device, non_blocking=True)
-        self.tokens[0].copy_(staged[0])
-        self.positions[0].copy_(staged[1])
-        self.length.copy_(staged[2, :1])
-        self.last.copy_(staged[3, :1])
+        staged = torch.tensor([*padded_ids, *padded_positions, length, count - 1]).pin_memory()
+        self.inputs.copy_(staged, non_blocking=True)
         self.graph.replay()
         return self.logits
 
@@ -186,8 +170,11 @@ class ModelRunner:
 
     @classmethod
     def of(cls, model: PreTrainedModel) -> ModelRunner:
-        """The model's runner, built once per model."""
-        return runner_of(model)
+        """The model's runner, built once per model (for every model: one ``StaticForward`` does not describe
+        runs eagerly)."""
+        runner = built_once(cls, model, described_only=False)
+        assert runner is not None
+        return runner
 
     @torch.inference_mode()
     def forward(
@@ -196,7 +183,7 @@ class ModelRunner:
         """Run ``ids`` at ``positions`` after ``length`` cached tokens of ``buffer``; last logits [V] and the cache."""
         bucket = bucket_for(len(ids)) if self.graphs else None
         if bucket is None or length + bucket > buffer.keys.shape[-2]:
-            return self._eager_forward(buffer, length, ids, positions)
+            return forward_new_tokens(self.model, buffer, length, ids, positions)
         logits = self._graph(buffer, bucket, length).run(ids, positions, length)
         cache = buffer.cache(length + len(ids))
         return logits.clone(), cache
@@ -235,30 +222,3 @@ class ModelRunner:
                     self._captured.popitem(last=False)
             self._captured.move_to_end(key)
             return graph
-
-    def _eager_forward(
-        self, buffer: KVBuffer, length: int, ids: Sequence[int], positions: Sequence[int]
-    ) -> tuple[torch.Tensor, BufferCache]:
-        device = buffer.keys.device
-        cache = buffer.cache(length)
-        out = self.model(
-            input_ids=torch.tensor([list(ids)], device=device),
-            position_ids=torch.tensor([list(positions)], device=device),
-            **with_cache(cache),
-            use_cache=True,
-            logits_to_keep=1,
-        )
-        return out.logits[0, -1], cache
-
-
-_RUNNERS: weakref.WeakKeyDictionary[PreTrainedModel, ModelRunner] = weakref.WeakKeyDictionary()
-_RUNNERS_LOCK = threading.Lock()
-
-
-def runner_of(model: PreTrainedModel) -> ModelRunner:
-    """``model``'s runner, built once per model (kept as ``DecodeStep`` keeps its steps: by the model's identity)."""
-    with _RUNNERS_LOCK:
-        runner = _RUNNERS.get(model)
-        if runner is None:
-            runner = _RUNNERS[model] = ModelRunner(model)
-        return runner
