@@ -160,7 +160,7 @@ def load_model(
     ``UnsupportedModelError`` when the architecture cannot be served.
     """
     compute = compute_dtype(dtype)  # an unknown dtype fails before anything loads
-    directory = _resolve(name_or_path)
+    directory = model_directory(name_or_path)
     load_dtype = torch.float32 if compute.linear else compute.activations  # quantize from the full weights
     try:
         tokenizer = AutoTokenizer.from_pretrained(directory)
@@ -222,7 +222,7 @@ def gguf_file(name_or_path: str) -> Path | None:
     return path if path.suffix == ".gguf" and path.is_file() else None
 
 
-def _resolve(name_or_path: str) -> str:
+def model_directory(name_or_path: str) -> str:
     """Return a local directory holding safetensors weights and a tokenizer for ``name_or_path``."""
     if name_or_path in _BUNDLED_GGUF:
         package, filename, install = _BUNDLED_GGUF[name_or_path]

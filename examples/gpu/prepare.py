@@ -1,7 +1,7 @@
 """Copy the bundled SmolLM2 tokenizer into ``.gpu/tokenizer`` (ignored by git) for ``examples/gpu/acceptance.sh``.
 
 No weights travel to the GPU machine: the benchmark builds random-weight models of real shapes there, and only the
-tokenizer is needed. Run any ``pc-rag`` command once first so that the bundled model is converted here.
+tokenizer is needed (the bundled model's, converted from its GGUF here on first use).
 """
 
 from __future__ import annotations
