@@ -13,7 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import NoReturn
 
-from pc_rag.cli import module_args
+from pc_rag.cli import bench_commands, module_args
 from pc_rag.errors import PCRagError
 from pc_rag.tune import cli as tune_cli
 
@@ -79,49 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     store.add_argument("--store", type=Path, required=True, help="store directory")
     store.add_argument("--codec", default=None, metavar="raw|cachegen[:LEVEL,...]", help="recode: the new KV encoding")
     store.add_argument("--json", type=Path, default=None, help="recode: write sizes and seconds as JSON here")
-    bench = commands.add_parser("bench", help="benchmarks")
-    bench_kinds = bench.add_subparsers(dest="kind", required=True)
-    ttft = bench_kinds.add_parser("ttft", help="TTFT of cached vs full prefill by context length")
-    ttft.add_argument("--tokens", default="1024,2048,4096,8000", help="comma-separated prompt lengths")
-    ttft.add_argument("--runs", type=int, default=3, help="timed runs per length (median is reported)")
-    ttft.add_argument("--json", type=Path, default=None, help="write the rows as JSON here")
-    ttft.add_argument("--plot", type=Path, default=None, help="write a TTFT-vs-context PNG here")
-    peers = bench_kinds.add_parser("peers", help="TTFT and decode speed against other local serving paths")
-    peers.add_argument("--tokens", default="1024,2048,4096,8000", help="comma-separated prompt lengths")
-    peers.add_argument("--runs", type=int, default=3, help="timed runs per peer and length (median is reported)")
-    peers.add_argument("--json", type=Path, default=None, help="write the rows as JSON here")
-    encode = bench_kinds.add_parser("encode", help="store encoding throughput against the raw batched forward")
-    encode.add_argument("--runs", type=_positive, default=3, help="timed runs per path (median is reported)")
-    encode.add_argument("--json", type=Path, default=None, help="write the rows as JSON here")
-    memory = bench_kinds.add_parser("memory", help="bytes per cached token for each storage dtype and codec level")
-    memory.add_argument("--json", type=Path, default=None, help="write the rows as JSON here")
-    link = bench_kinds.add_parser("link", help="cold-store TTFT over a throttled link: bfloat16 vs CacheGen levels")
-    link.add_argument("--bandwidth", default="100M,1G", help="comma-separated link speeds in bits/s (K, M, G)")
-    link.add_argument("--questions", type=_positive, default=5, help="sample questions (median is reported)")
-    link.add_argument("--target-ms", type=_positive, default=1000, help="the adaptive loader's TTFT target")
-    link.add_argument("--json", type=Path, default=None, help="write the rows as JSON here")
-    codec = bench_kinds.add_parser("codec", help="CacheGen size and encode/decode speed per level, against zstd")
-    codec.add_argument("--questions", type=_positive, default=5, help="sample questions whose passages are coded")
-    codec.add_argument("--workers", type=_positive, default=2, help="decoding threads for the parallel column")
-    codec.add_argument("--json", type=Path, default=None, help="write the rows as JSON here")
-    serve_bench = bench_kinds.add_parser("serve", help="many requests at once (continuous batching) vs one at a time")
-    serve_bench.add_argument("--concurrency", type=_positive, default=16, help="requests submitted together")
-    serve_bench.add_argument("--shared-tokens", type=_positive, default=1024, help="tokens every request imports")
-    serve_bench.add_argument("--new-tokens", type=_positive, default=32, help="tokens generated per request")
-    serve_bench.add_argument("--json", type=Path, default=None, help="write the result as JSON here")
-    gpu = bench_kinds.add_parser("gpu", help="every GPU acceptance gate on a random-weight model of a real shape")
-    gpu.add_argument("--shape", default="llama-3b", help="llama-3b, llama-8b, qwen-7b, or tiny (a CPU check)")
-    gpu.add_argument("--tokenizer", type=Path, default=None, help="tokenizer directory (default: the bundled one)")
-    gpu.add_argument(
-        "--only", default=None, help="comma-separated sections (fidelity,ttft,rag,decode,attention,serving)"
-    )
-    gpu.add_argument("--runs", type=_positive, default=3, help="timed runs per figure (median is reported)")
-    gpu.add_argument("--json", type=Path, default=None, help="write device, commit, shape and gates as JSON here")
-    scale = bench_kinds.add_parser("scaleout", help="encoding on Ray actors and TTFT from Redis, against local")
-    scale.add_argument("--dataset", type=Path, required=True, help="multi-doc QA JSONL whose passages are indexed")
-    scale.add_argument("--passages", type=_positive, default=600, help="distinct passages to index (default 600)")
-    scale.add_argument("--questions", type=_positive, default=10, help="questions timed per condition (default 10)")
-    scale.add_argument("--json", type=Path, default=None, help="write the result as JSON here")
+    bench_commands.add_parser(commands, _positive)
     _add_eval_parser(commands)
     tune_cli.add_parsers(commands, _positive)
     args = parser.parse_args(argv)
@@ -138,13 +96,11 @@ def _run(args: argparse.Namespace) -> int:
     if args.command == "eval":
         return _run_eval(args)
     if args.command == "bench" and args.kind == "gpu":  # builds its own random-weight model
-        return _run_bench_gpu(args)
+        return bench_commands.run_bench_gpu(args)
     from pc_rag.model import DEFAULT_MODEL, load_model
 
-    if args.command == "bench" and args.kind in ("ttft", "peers"):
-        _lengths(args.tokens)  # refuse bad lengths before the model loads
-    if args.command == "bench" and args.kind == "link":
-        _bandwidths(args.bandwidth)
+    if args.command == "bench":
+        bench_commands.check_args(args)  # refuse bad sizes before the model loads
     from pc_rag.cli import store_commands
 
     docs = None
@@ -204,7 +160,7 @@ def _run(args: argparse.Namespace) -> int:
         store_commands.serve(lm, args.store, host=args.host, port=args.port, mode=args.mode, max_batch=args.max_batch,
                              queue_limit=args.queue_limit, **module_args.module_options(args))  # fmt: skip
     elif args.command == "bench":
-        _run_bench(args, lm)
+        bench_commands.run_bench(args, lm)
     return 0
 
 
@@ -238,108 +194,6 @@ def _at_least(minimum: int) -> Callable[[str], int]:
 _positive, _non_negative = _at_least(1), _at_least(0)
 
 
-def _run_bench_gpu(args: argparse.Namespace) -> int:
-    import json
-
-    from pc_rag.bench.gpu import default_tokenizer_dir, format_gates, run_gpu_bench
-
-    only = [s.strip() for s in args.only.split(",") if s.strip()] if args.only else None
-    tokenizer = args.tokenizer or default_tokenizer_dir()
-    result = run_gpu_bench(args.shape, args.device, tokenizer, only=only, runs=args.runs)
-    print(format_gates(result))
-    if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=1, default=str) + "\n")
-    return 0
-
-
-def _run_bench(args: argparse.Namespace, lm: object) -> None:
-    from pc_rag.bench.output import write_json
-    from pc_rag.engine import PromptCache
-    from pc_rag.rag import RagEngine, RagPrompt
-
-    if args.kind == "ttft":
-        from pc_rag.bench.ttft import plot_ttft, print_table, ttft_benchmark
-
-        rows = ttft_benchmark(PromptCache(lm), _lengths(args.tokens), runs=args.runs)
-        print_table(rows)
-        if args.plot:
-            plot_ttft(rows, args.plot)
-    elif args.kind == "peers":
-        from pc_rag.bench.peers import format_rows, run_peers
-        from pc_rag.model import DEFAULT_MODEL, gguf_file, load_model
-
-        gguf = gguf_file(args.model or DEFAULT_MODEL)
-        engine = RagEngine(lm, RagPrompt.longbench())
-        reference = None
-        if lm.compute_dtype != "float32":  # what the compute dtype gains on full prefill, in the same run
-            reference = RagEngine(load_model(lm.name, device=args.device), RagPrompt.longbench())
-        rows = run_peers(engine, _lengths(args.tokens), args.runs, str(gguf) if gguf else None, reference=reference)
-        print(format_rows(rows))
-    elif args.kind == "link":
-        from pc_rag.bench.link import format_rows, link_benchmark
-
-        engine = RagEngine(lm, RagPrompt.longbench())
-        rows = link_benchmark(engine, _codec_for(lm), _bandwidths(args.bandwidth), questions=args.questions,
-                              ttft_target_s=args.target_ms / 1000)  # fmt: skip
-        print(format_rows(rows))
-    elif args.kind == "codec":
-        from pc_rag.bench.codec import codec_benchmark, format_rows
-
-        engine = RagEngine(lm, RagPrompt.longbench())
-        rows = codec_benchmark(engine, _codec_for(lm), questions=args.questions, workers=args.workers)
-        print(format_rows(rows))
-    elif args.kind == "serve":
-        import json
-        from dataclasses import asdict
-
-        from pc_rag.bench.serve import format_attention, format_serve, run_serve_bench
-
-        sizes = {"concurrency": args.concurrency, "shared_tokens": args.shared_tokens, "new_tokens": args.new_tokens}
-        result, attention = run_serve_bench(PromptCache(lm), **sizes)
-        print(format_serve(result))
-        print(format_attention(attention))
-        if args.json:
-            out = {**asdict(result), "attention": [asdict(r) for r in attention]}
-            args.json.write_text(json.dumps(out, indent=2) + "\n")
-        return
-    elif args.kind == "scaleout":
-        from pc_rag.bench import scaleout
-
-        return scaleout.main(lm, args.dataset, count=args.passages, questions=args.questions, json_out=args.json)
-    elif args.kind == "encode":
-        from pc_rag.bench.encode import encode_benchmark, format_rows
-
-        rows = encode_benchmark(RagEngine(lm, RagPrompt.longbench()), runs=args.runs)
-        print(format_rows(rows))
-    else:
-        import torch
-
-        from pc_rag.bench.memory import format_rows, kv_footprint
-        from pc_rag.codec import CodecTables
-        from pc_rag.rag.tuned import find_codec_tables
-
-        tables = find_codec_tables(lm.fingerprint())  # every level the model's CacheGen tables have
-        levels = sorted(CodecTables.load(tables).levels) if tables else []
-        engine = RagEngine(lm, RagPrompt.longbench())
-        rows = kv_footprint(engine, [torch.float32, torch.bfloat16, torch.float16], levels=levels)
-        print(format_rows(rows))
-    if args.json:
-        write_json(rows, args.json)
-
-
-def _bandwidths(spec: str) -> list[float]:
-    """Bits per second from ``100M,1G``-style text; ``PCRagError`` if malformed."""
-    scale = {"K": 1e3, "M": 1e6, "G": 1e9}
-    try:
-        out = [float(x[:-1]) * scale[x[-1].upper()] if x[-1].upper() in scale else float(x) for x in spec.split(",")]
-    except (ValueError, IndexError):
-        out = []
-    if not out or any(b <= 0 for b in out):
-        raise PCRagError(f"--bandwidth takes comma-separated positive speeds like 100M,1G; got {spec!r}")
-    return out
-
-
 def _limits(spec: str | None) -> int | list[int] | None:
     from pc_rag.errors import EvalError
 
@@ -368,18 +222,6 @@ def _orders(spec: str | None, settings: list[str]) -> list[str]:
         msg = f"--order takes {', '.join(ORDERS)} or several comma-separated; got {spec!r}"
         raise EvalError(msg)
     return orders
-
-
-def _lengths(spec: str) -> list[int]:
-    try:
-        lengths = [int(t) for t in spec.split(",") if t.strip()]
-    except ValueError as e:
-        msg = f"--tokens takes comma-separated integers, got {spec!r}"
-        raise PCRagError(msg) from e
-    if not lengths or min(lengths) < 64:
-        msg = f"--tokens needs lengths of at least 64 tokens, got {spec!r}"
-        raise PCRagError(msg)
-    return lengths
 
 
 def _add_eval_parser(commands: argparse._SubParsersAction) -> None:
@@ -476,7 +318,7 @@ def _run_eval(args: argparse.Namespace) -> int:
         else:  # one pool of stores, laid out in each order
             pooled = OpenContexts(engine, examples, args.k, stores)
             sources += [pooled.in_order(order) for order in orders]
-    codec = _codec_for(lm) if codec_levels else None
+    codec = bench_commands.codec_for(lm) if codec_levels else None
     for contexts in sources:
         records += run_eval(
             engine, examples, modes, contexts, state_path=state, max_new_tokens=args.max_new_tokens,
@@ -507,10 +349,6 @@ def _run_eval(args: argparse.Namespace) -> int:
     return 0
 
 
-if __name__ == "__main__":
-    sys.exit(main())
-
-
 def _codec_levels(spec: str | None) -> tuple[int, ...]:
     """The CacheGen levels of ``eval --codec``; ``EvalError`` for other specs or undefined levels."""
     from pc_rag.codec import level
@@ -524,15 +362,3 @@ def _codec_levels(spec: str | None) -> tuple[int, ...]:
     except (StoreError, CodecError) as e:
         raise EvalError(str(e)) from e
     return levels
-
-
-def _codec_for(lm: object) -> object:
-    from pc_rag.codec import CacheGenCodec, CodecTables
-    from pc_rag.errors import EvalError
-    from pc_rag.rag.tuned import find_codec_tables
-
-    path = find_codec_tables(lm.fingerprint())
-    if path is None:
-        msg = f"no CacheGen tables for model {lm.fingerprint()}: make them with `pc-rag tune-codec`"
-        raise EvalError(msg)
-    return CacheGenCodec(CodecTables.load(path))
