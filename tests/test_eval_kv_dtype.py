@@ -10,23 +10,13 @@ from typing import Any
 import pytest
 import torch
 from conftest import tiny_model
+from test_eval_codec import _examples
 
 from pc_rag import cli
 from pc_rag.errors import EvalError
 from pc_rag.eval import aggregate, run_eval
 from pc_rag.eval.codec_modes import stored, with_kv_dtypes
-from pc_rag.eval.datasets import Example, Passage
 from pc_rag.rag import RagEngine, RagPrompt
-
-WORDS = ["river", "tower", "mountain", "city", "bridge", "forest", "lake", "castle", "valley", "island"]
-
-
-def _examples(n: int) -> list[Example]:
-    return [
-        Example("toy", f"q{i}", f"Which {WORDS[i]} is it?", (WORDS[i],),
-                tuple(Passage(f"T{j}", " ".join(WORDS[(i + j + k) % 10] for k in range(12))) for j in range(3)), i)
-        for i in range(n)
-    ]  # fmt: skip
 
 
 class Spy:
