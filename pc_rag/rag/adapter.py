@@ -8,10 +8,14 @@ after a full prefill. It is attached to a model with forward hooks, or for servi
 adapter with each pair folded once into a copy of its layer's weight, so an adapted call costs what
 a plain one does (the model's own weights and parameter names are untouched either way). It acts
 only inside ``applied()``:
-chunk encoding and full prefill never see it, so stored chunk KV stays valid.
-``applied()`` sets a context variable for the calling thread only (and names the adapter, so two
-adapters hooked into one model never act together); wrap each model call in it, never a generator's
-whole life (a context variable set across a ``yield`` leaks into whatever the consumer runs next).
+full prefill never sees it. An adapter may also have an *encoding side* (``AdapterConfig.encoding``:
+``"shared"``, the same pairs, or ``"separate"``, pairs of its own), acting inside ``encoding_applied()``
+while chunks are encoded, as Block-Attention and KVLink train the model to write blocks a reader can
+splice. Chunk KV made that way is only valid for this adapter: ``encoding_digest`` names it, and stores
+and chunks record it. ``applied()`` and ``encoding_applied()`` set a context variable for the calling thread
+only (and name the adapter, so two adapters hooked into one model never act together); wrap each model
+call in one, never a generator's whole life (a context variable set across a ``yield`` leaks into whatever
+the consumer runs next).
 
 Weights are saved as safetensors with the configuration and the model fingerprint
 in the metadata; loading under another fingerprint is refused. This module knows
@@ -24,7 +28,7 @@ import contextvars
 import hashlib
 import json
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -38,11 +42,14 @@ from transformers import PreTrainedModel
 
 from pc_rag.errors import PCRagError
 
-# (adapter, rows left unadapted at the start of each call's sequence) while ``applied()``
-_APPLIED: contextvars.ContextVar[tuple[object, int] | None] = contextvars.ContextVar(
+# (adapter, side, rows left unadapted at the start of each call's sequence) while ``applied()`` or
+# ``encoding_applied()``
+_APPLIED: contextvars.ContextVar[tuple[object, str, int] | None] = contextvars.ContextVar(
     "pc_rag_splice_adapter", default=None
 )
 FORMAT = "pc-rag-splice-adapter/1"
+ENCODINGS = ("none", "shared", "separate")  # the encoding side: none, the query side's pairs, pairs of its own
+QUERY, ENCODE = "query", "encode"
 
 
 class AdapterError(PCRagError):
@@ -51,15 +58,20 @@ class AdapterError(PCRagError):
 
 @dataclass(frozen=True)
 class AdapterConfig:
-    """LoRA ``rank`` and ``alpha`` (scale = alpha / rank) on the linear layers named ``targets`` of each layer."""
+    """LoRA ``rank`` and ``alpha`` (scale = alpha / rank) on the linear layers named ``targets`` of each layer;
+    ``encoding`` says what acts while chunks are encoded (``ENCODINGS``)."""
 
     rank: int = 8
     alpha: float = 16.0
     targets: tuple[str, ...] = ("q_proj", "o_proj")
+    encoding: str = "none"
 
     def __post_init__(self) -> None:
         if self.rank < 1 or not self.targets:
             msg = f"an adapter needs rank >= 1 and at least one target, got {self}"
+            raise AdapterError(msg)
+        if self.encoding not in ENCODINGS:
+            msg = f"unknown adapter encoding side {self.encoding!r}; known: {', '.join(ENCODINGS)}"
             raise AdapterError(msg)
 
     @property
@@ -68,24 +80,29 @@ class AdapterConfig:
 
 
 class SpliceAdapter(nn.Module):
-    """LoRA pairs for ``model``'s decoder layers; ``attach`` hooks them in, ``applied()`` turns them on."""
+    """LoRA pairs for ``model``'s decoder layers; ``attach`` hooks them in, ``applied()`` turns on the query side
+    and ``encoding_applied()`` the encoding side."""
 
     def __init__(self, model: PreTrainedModel, config: AdapterConfig, fingerprint: str) -> None:
         super().__init__()
         self.config, self.fingerprint = config, fingerprint
         self._targets = _target_modules(model, config.targets)
         ref = next(model.parameters())
-        self.lora_a = nn.ParameterDict()
-        self.lora_b = nn.ParameterDict()
-        for name, linear in self._targets.items():
-            key = _key(name)
-            a = torch.empty(config.rank, linear.in_features, dtype=ref.dtype, device=ref.device)
-            nn.init.kaiming_uniform_(a, a=math.sqrt(5))  # as LoRA: A random, B zero, so the start is the identity
-            self.lora_a[key] = nn.Parameter(a)
-            b = torch.zeros(linear.out_features, config.rank, dtype=ref.dtype, device=ref.device)
-            self.lora_b[key] = nn.Parameter(b)
+        self.lora_a, self.lora_b = _lora_pairs(self._targets, config.rank, ref)
+        if config.encoding == "separate":
+            self.encode_a, self.encode_b = _lora_pairs(self._targets, config.rank, ref)
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
         self._merged: list[nn.Linear] = []
+
+    @property
+    def encodes(self) -> bool:
+        """Whether chunks are encoded with this adapter (it has an encoding side)."""
+        return self.config.encoding != "none"
+
+    def _pairs(self, side: str) -> tuple[nn.ParameterDict, nn.ParameterDict]:
+        if side == ENCODE and self.config.encoding == "separate":
+            return self.encode_a, self.encode_b
+        return self.lora_a, self.lora_b
 
     def attach(self, *, merged: bool = False) -> SpliceAdapter:
         """Hook the pairs into the model (idempotent); they act only inside ``applied()``.
@@ -114,29 +131,36 @@ class SpliceAdapter(nn.Module):
         if "forward" in linear.__dict__:
             msg = "another merged splice adapter is attached to this model: detach it first"
             raise AdapterError(msg)
+        weights = {}
         with torch.no_grad():
-            delta = self.lora_b[key].float() @ self.lora_a[key].float() * self.config.scale
-            weight = (linear.weight.float() + delta).to(linear.weight.dtype)
+            for side in (QUERY, ENCODE) if self.encodes else (QUERY,):
+                lora_a, lora_b = self._pairs(side)
+                delta = lora_b[key].float() @ lora_a[key].float() * self.config.scale
+                weights[side] = (linear.weight.float() + delta).to(linear.weight.dtype)
         plain = linear.forward
 
         def forward(x: torch.Tensor) -> torch.Tensor:
-            skip = self._skipped_rows()
-            if skip is None:
+            state = self._state()
+            if state is None:
                 return plain(x)
+            side, skip = state
             if not skip:
-                return F.linear(x, weight, linear.bias)
-            return torch.cat((plain(x[:, :skip]), F.linear(x[:, skip:], weight, linear.bias)), dim=1)
+                return F.linear(x, weights[side], linear.bias)
+            return torch.cat((plain(x[:, :skip]), F.linear(x[:, skip:], weights[side], linear.bias)), dim=1)
 
         linear.forward = forward
         self._merged.append(linear)
 
     def _hook(self, key: str):
-        a, b, scale = self.lora_a[key], self.lora_b[key], self.config.scale
+        scale = self.config.scale
+        sides = {side: (pairs[0][key], pairs[1][key]) for side in (QUERY, ENCODE) for pairs in [self._pairs(side)]}
 
         def add_low_rank(module: nn.Module, inputs: tuple[torch.Tensor, ...], output: torch.Tensor) -> torch.Tensor:
-            skip = self._skipped_rows()
-            if skip is None:
+            state = self._state()
+            if state is None:
                 return output
+            side, skip = state
+            a, b = sides[side]
             x = inputs[0][:, skip:]  # [B, Q - skip, in]
             delta = (x @ a.to(x.dtype).T) @ (b.to(x.dtype).T * scale)
             return output + delta if not skip else torch.cat((output[:, :skip], output[:, skip:] + delta), dim=1)
@@ -146,16 +170,25 @@ class SpliceAdapter(nn.Module):
     @property
     def digest(self) -> str:
         """A short sha256 of the model fingerprint, configuration and weights: which adapter answers assume."""
-        h = hashlib.sha256(f"{FORMAT}|{self.fingerprint}|{asdict(self.config)}".encode())
-        for name, tensor in sorted(self.state_dict().items()):
-            h.update(name.encode())
-            h.update(tensor.detach().float().cpu().contiguous().numpy().tobytes())
-        return h.hexdigest()[:16]
+        config = asdict(self.config)
+        if not self.encodes:  # as before the encoding side existed: a query-only adapter keeps its digest
+            del config["encoding"]
+        return _digest(f"{FORMAT}|{self.fingerprint}|{config}", self.state_dict())
+
+    @property
+    def encoding_digest(self) -> str:
+        """A short sha256 of what acts on chunks while they are encoded (model, rank, targets and the encoding
+        side's pairs): the KV they get is valid for exactly this. Empty without an encoding side."""
+        if not self.encodes:
+            return ""
+        lora_a, lora_b = self._pairs(ENCODE)
+        pairs = {f"{k}.a": p for k, p in lora_a.items()} | {f"{k}.b": p for k, p in lora_b.items()}
+        c = self.config
+        return _digest(f"{FORMAT}|encode|{self.fingerprint}|{c.rank}|{c.alpha}|{sorted(c.targets)}", pairs)
 
     def save(self, path: str | Path) -> None:
         """Write the pairs and their configuration as safetensors (float32)."""
-        tensors = {f"{k}.a": p.detach().float().cpu().contiguous() for k, p in self.lora_a.items()}
-        tensors |= {f"{k}.b": p.detach().float().cpu().contiguous() for k, p in self.lora_b.items()}
+        tensors = {f"{k}.{suffix}": p.detach().float().cpu().contiguous() for suffix, k, p in self._named_pairs()}
         config = asdict(self.config) | {"targets": list(self.config.targets)}
         meta = {"format": FORMAT, "config": json.dumps(config), "fingerprint": self.fingerprint}
         Path(path).parent.mkdir(parents=True, exist_ok=True)
@@ -183,39 +216,82 @@ class SpliceAdapter(nn.Module):
             raise AdapterError(msg)
         try:
             raw = json.loads(meta["config"])
-            config = AdapterConfig(rank=int(raw["rank"]), alpha=float(raw["alpha"]), targets=tuple(raw["targets"]))
+            config = AdapterConfig(
+                rank=int(raw["rank"]), alpha=float(raw["alpha"]), targets=tuple(raw["targets"]),
+                encoding=str(raw.get("encoding", "none")),  # files written before the encoding side have none
+            )  # fmt: skip
         except (KeyError, TypeError, ValueError) as e:
             msg = f"splice adapter {path} has a malformed configuration: {e}"
             raise AdapterError(msg) from e
         adapter = cls(model, config, fingerprint)
-        pairs = (("a", adapter.lora_a), ("b", adapter.lora_b))
-        expected = {f"{k}.{side}": p.shape for side, d in pairs for k, p in d.items()}
+        named = {f"{k}.{suffix}": p for suffix, k, p in adapter._named_pairs()}
         got = {k: t.shape for k, t in tensors.items()}
-        if got != expected:
-            msg = f"splice adapter {path} does not fit this model ({len(got)} tensors, {len(expected)} expected)"
+        if got != {k: p.shape for k, p in named.items()}:
+            msg = f"splice adapter {path} does not fit this model ({len(got)} tensors, {len(named)} expected)"
             raise AdapterError(msg)
         with torch.no_grad():
-            for k, p in [*adapter.lora_a.items()]:
-                p.copy_(tensors[f"{k}.a"])
-            for k, p in [*adapter.lora_b.items()]:
-                p.copy_(tensors[f"{k}.b"])
+            for k, p in named.items():
+                p.copy_(tensors[k])
         return adapter.requires_grad_(False)
+
+    def _named_pairs(self) -> Iterator[tuple[str, str, nn.Parameter]]:
+        """(file suffix, key, parameter) of every pair: ``a``/``b`` on the query side, ``encode_a``/``encode_b``
+        on a separate encoding side."""
+        groups = [("a", self.lora_a), ("b", self.lora_b)]
+        if self.config.encoding == "separate":
+            groups += [("encode_a", self.encode_a), ("encode_b", self.encode_b)]
+        for suffix, group in groups:
+            for key, p in group.items():
+                yield suffix, key, p
 
     @contextmanager
     def applied(self, skip_rows: int = 0) -> Iterator[None]:
-        """Turn the pairs on for model calls made by this thread inside the block, except on the first
+        """Turn the query side on for model calls made by this thread inside the block, except on the first
         ``skip_rows`` tokens of each call (recomputed chunk tokens that should run as the plain model)."""
-        token = _APPLIED.set((self, skip_rows))
+        token = _APPLIED.set((self, QUERY, skip_rows))
         try:
             yield
         finally:
             _APPLIED.reset(token)
 
-    def _skipped_rows(self) -> int | None:
-        """Rows left plain in the current call when this adapter is applied, else None (off, or another
+    @contextmanager
+    def encoding_applied(self) -> Iterator[None]:
+        """Turn the encoding side on for model calls made by this thread inside the block (chunk encoding)."""
+        if not self.encodes:
+            msg = "this splice adapter has no encoding side (AdapterConfig.encoding is 'none')"
+            raise AdapterError(msg)
+        token = _APPLIED.set((self, ENCODE, 0))
+        try:
+            yield
+        finally:
+            _APPLIED.reset(token)
+
+    def _state(self) -> tuple[str, int] | None:
+        """(side, rows left plain) in the current call when this adapter is applied, else None (off, or another
         adapter of the same model is applied)."""
         state = _APPLIED.get()
-        return state[1] if state is not None and state[0] is self else None
+        return state[1:] if state is not None and state[0] is self else None
+
+
+def _lora_pairs(
+    targets: dict[str, nn.Linear], rank: int, ref: torch.Tensor
+) -> tuple[nn.ParameterDict, nn.ParameterDict]:
+    """LoRA's ``A`` (random) and ``B`` (zero: the start is the identity) for each target linear layer."""
+    lora_a, lora_b = nn.ParameterDict(), nn.ParameterDict()
+    for name, linear in targets.items():
+        a = torch.empty(rank, linear.in_features, dtype=ref.dtype, device=ref.device)
+        nn.init.kaiming_uniform_(a, a=math.sqrt(5))
+        lora_a[_key(name)] = nn.Parameter(a)
+        lora_b[_key(name)] = nn.Parameter(torch.zeros(linear.out_features, rank, dtype=ref.dtype, device=ref.device))
+    return lora_a, lora_b
+
+
+def _digest(header: str, tensors: Mapping[str, torch.Tensor]) -> str:
+    h = hashlib.sha256(header.encode())
+    for name, tensor in sorted(tensors.items()):
+        h.update(name.encode())
+        h.update(tensor.detach().float().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()[:16]
 
 
 def _target_modules(model: PreTrainedModel, targets: Sequence[str]) -> dict[str, nn.Linear]:

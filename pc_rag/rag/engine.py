@@ -115,17 +115,41 @@ class RagEngine:
 
     def encode(self, texts: Sequence[str], mode: str | RecoveryMode | None = None) -> list[Chunk]:
         """Encode ``texts`` as chunks the way ``mode`` (default: ``default_mode``) wants them (alone or after the
-        preamble), in batches."""
-        conditioned = self._mode(mode).conditioned
-        return self.encode_token_ids([self.tokenize(t) for t in texts], conditioned, texts)
+        preamble; by the splice adapter's encoding side if the mode applies an adapter that has one), in batches."""
+        resolved = self._mode(mode)
+        ids = [self.tokenize(t) for t in texts]
+        return self.encode_token_ids(ids, resolved.conditioned, texts, encoder=self.chunk_encoder(resolved))
+
+    def chunk_encoder(self, mode: str | RecoveryMode | None = None) -> str:
+        """How ``mode`` wants chunks encoded: the ``encoding_digest`` of the splice adapter it applies, or empty for
+        the plain model (modes without an adapter, and adapters without an encoding side)."""
+        resolved = self._mode(mode)
+        return self.tuned.adapter().encoding_digest if resolved.adapter else ""
 
     def encode_token_ids(
-        self, token_ids: Sequence[Sequence[int]], conditioned: bool, texts: Sequence[str] | None = None
+        self,
+        token_ids: Sequence[Sequence[int]],
+        conditioned: bool,
+        texts: Sequence[str] | None = None,
+        *,
+        encoder: str = "",
     ) -> list[Chunk]:
-        """Encode already tokenized chunks; ``texts`` default to their decoding."""
+        """Encode already tokenized chunks; ``texts`` default to their decoding. ``encoder`` (a ``chunk_encoder``)
+        names the splice adapter encoding side to encode with: it must be this model's adapter's."""
         if any(not ids for ids in token_ids):
             msg = "cannot encode an empty chunk"
             raise PCRagError(msg)
+        encoding = nullcontext
+        if encoder:
+            adapter = self.tuned.adapter()
+            if adapter.encoding_digest != encoder:
+                msg = (
+                    f"chunks are to be encoded by splice adapter encoding {encoder}, but this model's adapter "
+                    f"encodes {adapter.encoding_digest or 'nothing (it has no encoding side)'}: re-encode the "
+                    "store with `pc-rag store reencode` for the adapter the model has now"
+                )
+                raise ChunkEncodingError(msg)
+            encoding = adapter.encoding_applied
         context = self.head_kv if conditioned else None
         start = self.canonical_start
         out: dict[int, Chunk] = {}
@@ -133,11 +157,21 @@ class RagEngine:
         for b in range(0, len(order), ENCODE_BATCH):
             batch = order[b : b + ENCODE_BATCH]
             spans = [(token_ids[i], range(start, start + len(token_ids[i]))) for i in batch]
-            for i, kv in zip(batch, encode_spans(self.lm.model, spans, context), strict=True):
+            with encoding():
+                encoded = encode_spans(self.lm.model, spans, context)
+            for i, kv in zip(batch, encoded, strict=True):
                 ids = tuple(token_ids[i])
                 text = texts[i] if texts is not None else self.lm.tokenizer.decode(ids)
-                out[i] = Chunk(text, ids, kv.to(self.kv_device, self.kv_dtype), conditioned)
+                out[i] = Chunk(text, ids, kv.to(self.kv_device, self.kv_dtype), conditioned, encoder=encoder)
         return [out[i] for i in range(len(token_ids))]
+
+    def check_encoding(self, chunks: Sequence[Chunk], mode: str | RecoveryMode | None = None) -> None:
+        """``ChunkEncodingError`` unless every chunk was encoded as ``mode`` reads chunks (``chunk_encoder``)."""
+        resolved = self._mode(mode)
+        wanted = self.chunk_encoder(resolved) if chunks else ""
+        wrong = next((c for c in chunks if c.encoder != wanted), None)
+        if wrong is not None:
+            raise ChunkEncodingError(_encoding_mismatch(resolved.name, wrong, wanted))
 
     def full_ids(self, chunks: Sequence[Chunk], question: str) -> list[int]:
         """The plain prompt: head, chunk tokens and question tokens, tokenized piecewise."""
@@ -269,6 +303,7 @@ class RagEngine:
     ) -> Request:
         params = replace(SamplingParams(), **kwargs)  # type: ignore[arg-type]
         watch = Stopwatch()
+        self.check_encoding(pieces.chunks, mode)
         query = pieces.layout()
         chunks, plan, head, total = pieces.chunks, query.plan, query.head, query.chunks_end
         tail = plan.new_ids
@@ -357,6 +392,21 @@ class _QueryCalls:
         index = torch.as_tensor(list(recomputed), dtype=torch.long)
         segments = Segments(*self._chunks, self._calibration, exact_rows, index)
         return ModelCall({SEGMENTS: segments}, context)
+
+
+class ChunkEncodingError(PCRagError):
+    """Chunks encoded otherwise than a mode reads them (by another splice adapter's encoding side, or by none)."""
+
+
+def _encoding_mismatch(mode: str, chunk: Chunk, wanted: str) -> str:
+    def by(encoder: str) -> str:
+        return f"splice adapter encoding {encoder}" if encoder else "the plain model"
+
+    where = f"store chunk {chunk.text[:40]!r}" if chunk.source and chunk.source.startswith("store/") else "a chunk"
+    return (
+        f"{where} was encoded by {by(chunk.encoder)}, but mode {mode!r} reads chunks encoded by {by(wanted)}: "
+        f"re-encode them with `pc-rag store reencode STORE --mode {mode}` (or RagEngine.encode(texts, mode={mode!r}))"
+    )
 
 
 @dataclass(frozen=True)
