@@ -57,6 +57,10 @@ class RopeSpec:
         """Return ``keys`` ([..., S, D], post-RoPE) moved by ``delta`` positions (int or [S])."""
         return rotate_keys(keys, delta, self.inv_freq[self.layer_freq[layer]])
 
+    def rotate_differentiable(self, keys: torch.Tensor, delta: int, layer: int) -> torch.Tensor:
+        """``rotate`` by ``delta`` with gradients flowing back to ``keys``."""
+        return rotate_keys_differentiable(keys, delta, self.inv_freq[self.layer_freq[layer]])
+
     def rotate_all(self, keys: torch.Tensor, delta: int | torch.Tensor) -> torch.Tensor:
         """Rotate stacked keys [L, ..., S, D] by ``delta``, layer by layer (frequencies may differ)."""
         if delta == 0 if isinstance(delta, int) else bool((delta == 0).all()):
@@ -82,6 +86,16 @@ def rotate_keys(keys: torch.Tensor, delta: int | torch.Tensor, inv_freq: torch.T
     out = torch.empty_like(keys)
     rotate_keys_into(out, keys, delta, inv_freq)
     return out
+
+
+def rotate_keys_differentiable(keys: torch.Tensor, delta: int, inv_freq: torch.Tensor) -> torch.Tensor:
+    """``rotate_keys`` by out-of-place operations, so gradients flow back to ``keys`` (training the chunk side)."""
+    half = inv_freq.shape[0]
+    rotary_dim = 2 * half
+    angles = float(delta) * inv_freq.to(device=keys.device, dtype=torch.float64)
+    cos, sin = angles.cos().to(keys.dtype), angles.sin().to(keys.dtype)
+    k1, k2, rest = keys[..., :half], keys[..., half:rotary_dim], keys[..., rotary_dim:]
+    return torch.cat((k1 * cos - k2 * sin, k2 * cos + k1 * sin, rest), dim=-1)
 
 
 def rotate_keys_into(out: torch.Tensor, keys: torch.Tensor, delta: int | torch.Tensor, inv_freq: torch.Tensor) -> None:

@@ -42,6 +42,9 @@ class FakeEngine:
     def passage_text(self, i: int, title: str, text: str) -> str:
         return f"Passage {i}:\n{title}\n{text}\n\n"
 
+    def chunk_encoder(self, mode: str) -> str:
+        return ""
+
     def encode(self, texts: list[str], mode: str) -> list[FakeChunk]:
         self.calls.append(("encode", "", mode))
         return [FakeChunk(t, tuple(range(len(t.split())))) for t in texts]

@@ -40,18 +40,19 @@ class ClosedContexts:
     def __init__(self, engine: Any) -> None:
         self.engine = engine
         self._example: str | None = None
-        self._encoded: dict[bool, list[Any]] = {}
+        self._encoded: dict[tuple[bool, str], list[Any]] = {}
 
     def chunks(self, example: Example, mode: str) -> list[Any]:
         from pc_rag.rag.modes import resolve_mode
 
         if self._example != example.id:  # only the current example's encodings are kept
             self._example, self._encoded = example.id, {}
-        conditioned = resolve_mode(mode).conditioned  # modes differ in encoding only by this: encode once per value
-        if conditioned not in self._encoded:
+        # modes differ in encoding only by these two: encode once per pair of values
+        key = (resolve_mode(mode).conditioned, self.engine.chunk_encoder(mode))
+        if key not in self._encoded:
             texts = [self.engine.passage_text(i, p.title, p.text) for i, p in enumerate(example.passages, start=1)]
-            self._encoded[conditioned] = self.engine.encode(texts, mode)
-        return self._encoded[conditioned]
+            self._encoded[key] = self.engine.encode(texts, mode)
+        return self._encoded[key]
 
     def recall(self, example: Example) -> float | None:
         return None
@@ -60,8 +61,8 @@ class ClosedContexts:
 class OpenContexts:
     """Every passage of ``examples`` pooled per dataset in a store under ``directory``; top ``k`` per question.
 
-    One store per dataset and encoding (isolated for ``naive``, after the preamble otherwise), built
-    on first use. Its directory is named by what it holds (the pooled passages, the model, the
+    One store per dataset and encoding (isolated for ``naive``, after the preamble otherwise; by the
+    splice adapter's encoding side for modes that read chunks so encoded), built on first use. Its directory is named by what it holds (the pooled passages, the model, the
     preamble), so a store is reused only for the same pool; a build adds passages in parts, each
     saved, so an interrupted build resumes. Each passage is one chunk: the store's chunk size is set
     above the longest passage.
@@ -89,13 +90,14 @@ class OpenContexts:
         for example in examples:
             pool = self._pools.setdefault(example.dataset, [])
             pool.extend(example.passages)
-        self._stores: dict[tuple[str, bool], Any] = {}
+        self._stores: dict[tuple[str, bool, str], Any] = {}
         self._retrieved: dict[tuple[str, str], list[Any]] = {}
 
     def chunks(self, example: Example, mode: str) -> list[Any]:
         from pc_rag.rag.modes import resolve_mode
 
-        store = self._store(example.dataset, resolve_mode(mode).conditioned)
+        resolved = resolve_mode(mode)
+        store = self._store(example.dataset, resolved.conditioned, self.engine.chunk_encoder(resolved), resolved.name)
         return store.chunks(reorder(self._handles(example, store), self.order))
 
     def in_order(self, order: str) -> OpenContexts:
@@ -108,7 +110,7 @@ class OpenContexts:
         supporting = {passage_id(p) for p in example.passages if p.is_supporting}
         if not supporting:
             return None
-        built = [s for (dataset, _), s in self._stores.items() if dataset == example.dataset]
+        built = [s for (dataset, *_), s in self._stores.items() if dataset == example.dataset]
         store = built[0] if built else self._store(example.dataset, conditioned=True)
         retrieved = {h.doc_id for h in self._handles(example, store)}
         return len(supporting & retrieved) / len(supporting)
@@ -119,14 +121,17 @@ class OpenContexts:
             self._retrieved[key] = store.search(example.question, self.k)
         return self._retrieved[key]
 
-    def _store(self, dataset: str, conditioned: bool) -> Any:
-        key = (dataset, conditioned)
+    def _store(self, dataset: str, conditioned: bool, encoder: str = "", mode: str = "") -> Any:
+        """The pooled store of ``dataset`` encoded alone or after the preamble, by the plain model or by the
+        encoding side ``encoder`` (for ``mode``, which reads chunks so encoded)."""
+        key = (dataset, conditioned, encoder)
         if key not in self._stores:
             unique = {passage_id(p): p for p in self._pools[dataset]}
-            encoding = "conditioned" if conditioned else "isolated"
+            encoding = ("conditioned" if conditioned else "isolated") + (f"-{encoder}" if encoder else "")
             path = self.directory / f"{dataset}-{self._pool_digest(unique)}-{encoding}"
             documents = {pid: (passage_text(p), {"title": p.title}) for pid, p in unique.items()}
-            mode = "prefix" if conditioned else "naive"
+            if not encoder:
+                mode = "prefix" if conditioned else "naive"
             self._stores[key] = pooled_store(path, self.engine, documents, mode, self.embedder, part=self.build_part)
         return self._stores[key]
 

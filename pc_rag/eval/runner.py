@@ -39,6 +39,8 @@ class EvalEngine(Protocol):
 
     def encode(self, texts: list[str], mode: str) -> list[Any]: ...
 
+    def chunk_encoder(self, mode: str) -> str: ...
+
     def answer(
         self,
         chunks: list[Any],

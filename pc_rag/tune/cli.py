@@ -33,6 +33,11 @@ def add_parsers(commands: argparse._SubParsersAction, positive: Callable[[str], 
     tune.add_argument("--rank", type=int, default=8, help="LoRA rank (default 8)")
     tune.add_argument("--alpha", type=float, default=16.0, help="LoRA alpha; scale = alpha / rank (default 16)")
     tune.add_argument("--targets", default="q_proj,o_proj", help="linear layers adapted (default q_proj,o_proj)")
+    tune.add_argument(
+        "--encoding", choices=["none", "shared", "separate"], default="none",
+        help="the adapter's encoding side, trained jointly: none (query side only), shared (the same pairs act "
+        "while chunks are encoded) or separate (pairs of its own); stores for `fast` are then encoded by it",
+    )  # fmt: skip
     tune.add_argument("--epochs", type=int, default=4, help="passes over the training pairs (default 4)")
     tune.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (default 1e-3)")
     tune.add_argument("--accumulate", type=int, default=8, help="pairs per optimizer step (default 8)")
@@ -105,7 +110,8 @@ def _configs(args: argparse.Namespace) -> tuple:
     from pc_rag.rag.adapter import AdapterConfig
     from pc_rag.tune.train import TrainConfig
 
-    adapter_config = AdapterConfig(args.rank, args.alpha, tuple(t.strip() for t in args.targets.split(",")))
+    targets = tuple(t.strip() for t in args.targets.split(","))
+    adapter_config = AdapterConfig(args.rank, args.alpha, targets, encoding=args.encoding)
     train_config = TrainConfig(
         epochs=args.epochs, lr=args.lr, accumulate=args.accumulate, eval_every=args.eval_every, patience=args.patience,
         recompute=_shares(args.recompute),

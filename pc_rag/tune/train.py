@@ -12,8 +12,10 @@ chunk tokens whose values deviate most are recomputed first by the plain model (
 serving does), then the question and answer run adapted over the refreshed cache; pairs cycle through
 the shares, so one adapter learns every budget it will serve. With gradients on, the
 serving attention computes query-time rows by differentiable tensor ops (its fused
-kernel's log-sum-exp has no gradient). This module knows nothing about how pairs or teacher
-records are produced.
+kernel's log-sum-exp has no gradient). An adapter with an encoding side trains both sides jointly: the
+student encodes its chunks in each step with the encoding side (``chunk_side``), so the KL reaches those
+weights through the chunk keys and values, at the cost of a forward and backward over the chunks. This
+module knows nothing about how pairs or teacher records are produced.
 """
 
 from __future__ import annotations
@@ -34,12 +36,14 @@ from pc_rag.assemble import splice
 from pc_rag.calibration import KWARG as SEGMENTS
 from pc_rag.calibration import Calibration, Segments
 from pc_rag.kv import KVBuffer, allocate
+from pc_rag.errors import PCRagError
 from pc_rag.model_call import with_cache
 from pc_rag.rag.adapter import AdapterConfig, SpliceAdapter
 from pc_rag.rag.engine import Chunk, RagEngine
 from pc_rag.rag.modes import MODES
 from pc_rag.rag.select import deviation_indices
 from pc_rag.recompute import recompute_and_prefill
+from pc_rag.tune.chunk_side import encoded_chunk_cache
 from pc_rag.tune.pairs import Pair
 from pc_rag.tune.teacher import TeacherRecord
 
@@ -110,13 +114,19 @@ def student_logprobs(
     model = engine.lm.model
     query = engine.layout(chunks, question)  # the slots and positions serving gives these chunks
     head, cursor = query.head, query.chunks_end
-    buffer = allocate(model, cursor)
-    moved = [(c.kv, start - int(c.kv.positions[0])) for c, (start, _) in zip(chunks, query.slots(), strict=True)]
-    splice(buffer, engine.lm.rope, [(engine.head_kv, 0), *moved])
-    if recompute > 0:
-        _refresh(model, buffer, head, [t for c in chunks for t in c.token_ids], recompute)
-    layers = range(buffer.keys.shape[0])
-    cache = DynamicCache(ddp_cache_data=[(buffer.keys[i], buffer.values[i]) for i in layers], config=model.config)
+    if adapter is not None and adapter.encodes:  # the chunk side trains too: chunks are encoded in this step
+        if recompute > 0:
+            msg = "an adapter with an encoding side trains without recompute (--recompute 0)"
+            raise PCRagError(msg)
+        cache = encoded_chunk_cache(engine, adapter, chunks, query.slots())
+    else:
+        buffer = allocate(model, cursor)
+        moved = [(c.kv, start - int(c.kv.positions[0])) for c, (start, _) in zip(chunks, query.slots(), strict=True)]
+        splice(buffer, engine.lm.rope, [(engine.head_kv, 0), *moved])
+        if recompute > 0:
+            _refresh(model, buffer, head, [t for c in chunks for t in c.token_ids], recompute)
+        layers = range(buffer.keys.shape[0])
+        cache = DynamicCache(ddp_cache_data=[(buffer.keys[i], buffer.values[i]) for i in layers], config=model.config)
     inputs = [*query.plan.new_ids, *record.answer_ids[: record.steps - 1]]
     device = engine.lm.device
     extra = {} if calibration is None else {SEGMENTS: Segments(head, cursor, calibration)}
