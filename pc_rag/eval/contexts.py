@@ -62,10 +62,10 @@ class OpenContexts:
     """Every passage of ``examples`` pooled per dataset in a store under ``directory``; top ``k`` per question.
 
     One store per dataset and encoding (isolated for ``naive``, after the preamble otherwise; by the
-    splice adapter's encoding side for modes that read chunks so encoded), built on first use. Its directory is named by what it holds (the pooled passages, the model, the
-    preamble), so a store is reused only for the same pool; a build adds passages in parts, each
-    saved, so an interrupted build resumes. Each passage is one chunk: the store's chunk size is set
-    above the longest passage.
+    splice adapter's encoding side for modes that read chunks so encoded), built on first use. Its
+    directory is named by what it holds (the pooled passages, the model, the preamble), so a store is
+    reused only for the same pool; a build adds passages in parts, each saved, so an interrupted build
+    resumes. Each passage is one chunk: the store's chunk size is set above the longest passage.
 
     The retrieved chunks are laid out in ``order``. The setting label is ``open`` for the ranking
     itself (best first) and ``open:<order>`` otherwise, so orders are told apart in one report and

@@ -35,8 +35,8 @@ from transformers.cache_utils import DynamicCache
 from pc_rag.assemble import splice
 from pc_rag.calibration import KWARG as SEGMENTS
 from pc_rag.calibration import Calibration, Segments
-from pc_rag.kv import KVBuffer, allocate
 from pc_rag.errors import PCRagError
+from pc_rag.kv import KVBuffer, allocate
 from pc_rag.model_call import with_cache
 from pc_rag.rag.adapter import AdapterConfig, SpliceAdapter
 from pc_rag.rag.engine import Chunk, RagEngine
