@@ -20,14 +20,17 @@ TEXTS = [
     "The Danube flows through Vienna, Budapest and Belgrade before the Black Sea.",
 ]
 QUESTION = "Which city has the tower?"
-ARCHS = ["llama", "qwen3"]
+ARCHS = ["llama", "qwen3", "gemma3", "phi3-partial-rotary"]
 
 
 def _engine(arch: str, tokenizer, encoding: str, scale: float = 0.05) -> tuple[RagEngine, SpliceAdapter]:
     from conftest import tiny_model
 
     lm = tiny_model(arch, tokenizer)
-    adapter = SpliceAdapter(lm.model, AdapterConfig(rank=2, encoding=encoding), lm.fingerprint())
+    query = "qkv_proj" if arch.startswith("phi3") else "q_proj"  # Phi-3 fuses q, k and v
+    adapter = SpliceAdapter(
+        lm.model, AdapterConfig(rank=2, targets=(query, "o_proj"), encoding=encoding), lm.fingerprint()
+    )
     torch.manual_seed(1)
     with torch.no_grad():
         for p in adapter.parameters():

@@ -41,12 +41,14 @@ def encoded_chunk_cache(
     dtype = next(model.parameters()).dtype
     head_k = [head.keys[i].to(device, dtype) for i in layers]  # [H, T, D]
     head_v = [head.values[i].to(device, dtype) for i in layers]
+    # full layers only (no config): a sliding-window layer would keep just its window of the chunk's KV, while the
+    # model still masks each layer as its type says
     if conditioned:
         past = [(k[None].expand(len(chunks), -1, -1, -1), v[None].expand(len(chunks), -1, -1, -1))
                 for k, v in zip(head_k, head_v, strict=True)]  # fmt: skip
-        cache = DynamicCache(ddp_cache_data=past, config=model.config)
+        cache = DynamicCache(ddp_cache_data=past)
     else:
-        cache = DynamicCache(config=model.config)
+        cache = DynamicCache()
     with adapter.encoding_applied():
         model.get_decoder()(
             input_ids=ids.to(device), position_ids=positions.to(device), **with_cache(cache), use_cache=True
