@@ -27,6 +27,18 @@ class ChatWrappers:
     open: dict[RoleName, str]
     close: dict[RoleName, str]
     generation_prompt: str
+    stop: tuple[str, ...] = ()  # texts that end a reply when the model has no end-of-turn token for it
+
+    @classmethod
+    def plain(cls) -> ChatWrappers:
+        """For a base model without a chat template: turns as plain text (the system text, then a blank line), and
+        a reply ends at its first line break, as LongBench runs base models on prompts that end in ``Answer:``."""
+        return cls(
+            open={"system": "", "user": "", "assistant": ""},
+            close={"system": "\n\n", "user": "", "assistant": "\n"},
+            generation_prompt="",
+            stop=("\n",),
+        )
 
     def wrap(self, role: RoleName, content: str) -> str:
         return self.open[role] + content + self.close[role]

@@ -22,7 +22,7 @@ import torch
 from pc_rag.baseline import full_request, serve_full
 from pc_rag.calibration import KWARG as SEGMENTS
 from pc_rag.calibration import Calibration, Segments
-from pc_rag.chat import chat_wrappers
+from pc_rag.chat import ChatWrappers, chat_wrappers
 from pc_rag.encode import encode_spans
 from pc_rag.errors import PCRagError
 from pc_rag.generate import (
@@ -82,7 +82,7 @@ class RagEngine:
         self.tuned = Tuned(lm)  # the adapter and calibration of modes that use them, loaded on first use
         self.tuned.use(adapter, calibration)
         self.prompt = prompt or RagPrompt()
-        self.wrappers = chat_wrappers(lm.tokenizer)
+        self.wrappers = _wrappers(lm)
         self.kv_device = torch.device(kv_device) if kv_device is not None else lm.device
         self.kv_dtype = kv_dtype or lm.dtype
         self.head_text = self.prompt.head(self.wrappers)
@@ -245,7 +245,8 @@ class RagEngine:
         """``stream_around``'s turn as a serving ``Request``."""
         pieces = self._pieces_around(before, chunks, after)
         if mode is None or not chunks:
-            return full_request(pieces.layout().full_ids(), replace(SamplingParams(), **kwargs))  # type: ignore[arg-type]
+            params = replace(SamplingParams(), **self._with_stop(kwargs))  # type: ignore[arg-type]
+            return full_request(pieces.layout().full_ids(), params)
         return self._request(pieces, resolve_mode(mode), **kwargs)
 
     def stream_ids(self, ids: Sequence[int], **kwargs: object) -> ReplyStream:
@@ -279,7 +280,7 @@ class RagEngine:
     def _serve_full(
         self, ids: Sequence[int], prefix: SpanKV | None, **kwargs: object
     ) -> Iterator[str | GenerationResult]:
-        params = replace(SamplingParams(), **kwargs)  # type: ignore[arg-type]
+        params = replace(SamplingParams(), **self._with_stop(kwargs))  # type: ignore[arg-type]
         return serve_full(self.lm, self._buffers, ids, params, self._stop_ids, prefix)
 
     def request(
@@ -288,6 +289,10 @@ class RagEngine:
         """The answer to ``question`` from ``chunks`` as a serving ``Request`` (for ``serving.execute`` or a
         ``Scheduler``); kwargs are ``SamplingParams`` fields. Its clock starts now."""
         return self._request(self._pieces(chunks, question), self._mode(mode), **kwargs)
+
+    def _with_stop(self, kwargs: dict[str, object]) -> dict[str, object]:
+        """``kwargs`` with the wrappers' stop texts (a base model's reply ends at a line break) unless given."""
+        return kwargs if "stop" in kwargs or not self.wrappers.stop else {**kwargs, "stop": self.wrappers.stop}
 
     def _mode(self, mode: str | RecoveryMode | None) -> RecoveryMode:
         return resolve_mode(self.default_mode if mode is None else mode)
@@ -301,7 +306,7 @@ class RagEngine:
     def _request(
         self, pieces: _Pieces, mode: RecoveryMode, reference_ids: Sequence[int] | None = None, **kwargs: object
     ) -> Request:
-        params = replace(SamplingParams(), **kwargs)  # type: ignore[arg-type]
+        params = replace(SamplingParams(), **self._with_stop(kwargs))  # type: ignore[arg-type]
         watch = Stopwatch()
         self.check_encoding(pieces.chunks, mode)
         query = pieces.layout()
@@ -394,6 +399,14 @@ class _QueryCalls:
         return ModelCall({SEGMENTS: segments}, context)
 
 
+def _wrappers(lm: LoadedModel) -> ChatWrappers:
+    """The chat template's role wrappers, or plain text for a base model that has none (said once, as a notice)."""
+    if getattr(lm.tokenizer, "chat_template", None):
+        return chat_wrappers(lm.tokenizer)
+    logger.info("model %r has no chat template: the RAG prompt is plain text and replies end at a line break", lm.name)
+    return ChatWrappers.plain()
+
+
 class ChunkEncodingError(PCRagError):
     """Chunks encoded otherwise than a mode reads them (by another splice adapter's encoding side, or by none)."""
 
@@ -405,7 +418,8 @@ def _encoding_mismatch(mode: str, chunk: Chunk, wanted: str) -> str:
     where = f"store chunk {chunk.text[:40]!r}" if chunk.source and chunk.source.startswith("store/") else "a chunk"
     return (
         f"{where} was encoded by {by(chunk.encoder)}, but mode {mode!r} reads chunks encoded by {by(wanted)}: "
-        f"re-encode them with `pc-rag store reencode STORE --mode {mode}` (or RagEngine.encode(texts, mode={mode!r}))"
+        f"re-encode them with `pc-rag store reencode --store STORE --mode {mode}` (or RagEngine.encode(texts, "
+        f"mode={mode!r}))"
     )
 
 
