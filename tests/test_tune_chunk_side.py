@@ -162,3 +162,33 @@ def test_eval_contexts_encode_each_mode_as_it_reads_chunks(tokenizer) -> None:
     assert {c.encoder for c in contexts.chunks(example, "fast")} == {adapter.encoding_digest}
     assert {c.encoder for c in contexts.chunks(example, "prefix")} == {""}
     engine.answer(contexts.chunks(example, "fast"), QUESTION, "fast", max_new_tokens=1)
+
+
+def test_training_starts_from_a_query_only_adapter(tokenizer, tmp_path) -> None:
+    from conftest import tiny_model
+
+    engine = RagEngine(tiny_model("llama", tokenizer), RagPrompt.longbench())
+    chunks = engine.encode(TEXTS, "prefix")
+    key = "q/0"
+    pairs = [Pair(key, "train", "closed", ("0", "1", "2"), QUESTION)]
+    records = {key: teach(engine, chunks, QUESTION, key, steps=3, top=32)}
+    by_id = {str(i): c for i, c in enumerate(chunks)}
+    start = SpliceAdapter(engine.lm.model, AdapterConfig(rank=2), engine.lm.fingerprint())
+    with torch.no_grad():
+        for p in start.parameters():
+            p.normal_(0, 0.05)
+    start.save(tmp_path / "start.safetensors")
+    config = TrainConfig(epochs=1, lr=0.0, accumulate=1, eval_every=1, patience=1)  # lr 0: the start is kept
+    adapter, report = train_adapter(
+        engine, pairs, pairs, lambda p: [by_id[d] for d in p.doc_ids], records.__getitem__,
+        AdapterConfig(rank=2, encoding="separate"), config, progress=False, init=tmp_path / "start.safetensors",
+    )  # fmt: skip
+    for key_, p in start.lora_b.items():
+        assert torch.equal(adapter.lora_b[key_], p)
+    assert all(float(p.abs().sum()) == 0 for p in adapter.encode_b.values())  # the new side starts as the identity
+    assert report.pair_steps == 1 and report.seconds > 0
+    with pytest.raises(PCRagError, match="rank 2"):
+        train_adapter(
+            engine, pairs, pairs, lambda p: [by_id[d] for d in p.doc_ids], records.__getitem__,
+            AdapterConfig(rank=4), config, progress=False, init=tmp_path / "start.safetensors",
+        )  # fmt: skip

@@ -38,6 +38,10 @@ def add_parsers(commands: argparse._SubParsersAction, positive: Callable[[str], 
         help="the adapter's encoding side, trained jointly: none (query side only), shared (the same pairs act "
         "while chunks are encoded) or separate (pairs of its own); stores for `fast` are then encoded by it",
     )  # fmt: skip
+    tune.add_argument("--init", type=Path, default=None,
+                      help="start from this adapter file (same rank and targets), e.g. the shipped one")  # fmt: skip
+    tune.add_argument("--questions", type=positive, default=None,
+                      help="--dataset: only the first N questions of the tuning split (a cheaper run)")  # fmt: skip
     tune.add_argument("--epochs", type=int, default=4, help="passes over the training pairs (default 4)")
     tune.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (default 1e-3)")
     tune.add_argument("--accumulate", type=int, default=8, help="pairs per optimizer step (default 8)")
@@ -67,8 +71,13 @@ def _shares(text: str) -> tuple[float, ...]:
 
 def check_tune_args(args: argparse.Namespace) -> None:
     """Refuse what ``tune`` cannot run, before the model loads."""
+    if args.init is not None and not args.init.is_file():
+        msg = f"--init {args.init}: no such adapter file"
+        raise PCRagError(msg)
     if args.store is None:
         return
+    if args.questions is not None:
+        raise PCRagError("--questions goes with --dataset; --store writes --pairs questions")
     from pc_rag.cli.store_commands import check_store_target
 
     if args.variants is not None:
@@ -96,7 +105,7 @@ def run_tune(args: argparse.Namespace, lm: object) -> int:
     summary = tune(
         engine, args.dataset, args.work or cache_dir() / "tune", out, variants=variants,
         adapter_config=adapter_config, train_config=train_config, teacher_only=args.teacher_only,
-        calibration_grid=grid,
+        calibration_grid=grid, questions=args.questions, init=args.init,
     )  # fmt: skip
     if args.teacher_only:
         print(f"teacher data: {summary['teacher_pairs']} pairs")
@@ -147,7 +156,7 @@ def _run_tune_store(args: argparse.Namespace, lm: object) -> int:
         summary = tune_store(
             store, work, out, pairs=args.pairs, k=args.k, held_out=args.held_out, adapter_config=adapter_config,
             train_config=train_config, teacher_only=args.teacher_only, calibration_grid=grid,
-            progress=args.verbose or sys.stderr.isatty(),
+            progress=args.verbose or sys.stderr.isatty(), init=args.init,
         )  # fmt: skip
     kept, cost = summary["questions_kept"], summary["cost"]
     print(f"questions: {kept['train']} training, {kept['val']} held out ({summary['questions_written']} written; "

@@ -41,8 +41,13 @@ def tune(
     teacher_only: bool = False,
     calibration_grid: tuple[Sequence[float], Sequence[float]] | None = None,
     progress: bool = True,
+    questions: int | None = None,
+    init: Path | None = None,
 ) -> dict:
     """Generate (or resume) the teacher set, train, save the adapter at ``out``; return the report.
+
+    ``questions``: only the first that many of the split (a quarter of them, at most ``VALIDATION_SIZE``, for
+    validation), for a cheaper run. ``init``: start from this adapter's query side.
 
     With ``calibration_grid`` (temperatures, scales) APE's (T, S) is then fitted on the validation pairs
     with the adapter applied and saved beside it (``<fingerprint>.calibration.json``).
@@ -52,14 +57,18 @@ def tune(
     if len(split) != wanted:
         msg = f"{dataset} holds {len(split)} questions of the tuning split ({TUNING_SPLIT}), not {wanted}"
         raise PCRagError(msg)
-    source = PairSource(engine, split, work, variants, val_from=len(split) - VALIDATION_SIZE)
+    if questions is not None:
+        split = split[:questions]
+    validation = min(VALIDATION_SIZE, len(split) // 4)
+    source = PairSource(engine, split, work, variants, val_from=len(split) - validation)
     teacher = TeacherSet(work / "teacher")
     build_teacher(source, teacher, progress=progress)
     if teacher_only:
         return {"teacher_pairs": len(teacher)}
     return train_and_save(
         engine, source, teacher, out, adapter_config=adapter_config, train_config=train_config,
-        calibration_grid=calibration_grid, progress=progress, extra={"variants": list(variants)},
+        calibration_grid=calibration_grid, progress=progress, init=init,
+        extra={"variants": list(variants), "questions": len(split)},
     )  # fmt: skip
 
 
@@ -74,6 +83,7 @@ def train_and_save(
     calibration_grid: tuple[Sequence[float], Sequence[float]] | None = None,
     progress: bool = True,
     extra: dict | None = None,
+    init: Path | None = None,
 ) -> dict:
     """Train on the taught pairs of ``source``, save the adapter at ``out`` (and the calibration beside it), write
     the report (with ``extra``) at ``out`` with a ``.json`` suffix and return it."""
@@ -81,7 +91,7 @@ def train_and_save(
     train = [p for p in pairs if p.split == "train"]
     val = [p for p in pairs if p.split == "val"]
     adapter, report = train_adapter(
-        engine, train, val, source.chunks, teacher.get, adapter_config, train_config, progress=progress
+        engine, train, val, source.chunks, teacher.get, adapter_config, train_config, progress=progress, init=init
     )
     adapter.save(out)
     summary = {
@@ -90,6 +100,8 @@ def train_and_save(
         "adapter_config": asdict(adapter_config),
         "train_config": asdict(train_config),
         **(extra or {}),
+        "init": str(init) if init is not None else None,
+        "cost": {"train_s": round(report.seconds, 1), "train_pair_steps": report.pair_steps},
         "train_pairs": len(train),
         "val_pairs": len(val),
         "history": [asdict(v) for v in report.history],

@@ -40,9 +40,10 @@ def tune_store(
     teacher_only: bool = False,
     calibration_grid: tuple[Sequence[float], Sequence[float]] | None = None,
     progress: bool = True,
+    init: Path | None = None,
 ) -> dict:
-    """Write questions, teach, train and save the adapter at ``out``; return the report (``teacher_only``: stop
-    after the teacher, returning the counts and costs so far)."""
+    """Write questions, teach, train and save the adapter at ``out`` (starting from ``init`` if given); return the
+    report (``teacher_only``: stop after the teacher, returning the counts and costs so far)."""
     source = StorePairSource(store, work, pairs=pairs, k=k, held_out=held_out)
     cost: dict[str, float] = {}
     start = time.perf_counter()
@@ -65,7 +66,7 @@ def tune_store(
     start = time.perf_counter()
     summary = train_and_save(
         store.engine, source, teacher, out, adapter_config=adapter_config, train_config=train_config,
-        calibration_grid=calibration_grid, progress=progress, extra=report,
+        calibration_grid=calibration_grid, progress=progress, extra=report, init=init,
     )  # fmt: skip
     _spent(cost, "train", summary["history"][-1]["pairs_seen"], start)  # per training pair step, validations included
     summary["cost"] = {**cost, "validation_pairs_run": len(summary["history"]) * summary["val_pairs"]}

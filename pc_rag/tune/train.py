@@ -23,9 +23,11 @@ from __future__ import annotations
 import logging
 import math
 import random
+import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from tqdm import tqdm
@@ -79,10 +81,13 @@ class Validation:
 
 @dataclass
 class TrainReport:
-    """The validation history (the first entry is the adapter-free baseline) and the best entry kept."""
+    """The validation history (the first entry is the starting adapter: adapter-free unless ``init``), the best
+    entry kept, and the cost: wall seconds and pair steps trained."""
 
     history: list[Validation] = field(default_factory=list)
     best: Validation | None = None
+    seconds: float = 0.0
+    pair_steps: int = 0
 
 
 def topk_kl(teacher_logp: torch.Tensor, teacher_index: torch.Tensor, student_logp: torch.Tensor) -> torch.Tensor:
@@ -182,11 +187,20 @@ def train_adapter(
     config: TrainConfig,
     *,
     progress: bool = True,
+    init: Path | None = None,
 ) -> tuple[SpliceAdapter, TrainReport]:
-    """Train an adapter on ``train_pairs``; return the best one on ``val_pairs`` (detached) and the history."""
+    """Train an adapter on ``train_pairs``; return the best one on ``val_pairs`` (detached) and the history.
+
+    ``init``: start from the adapter in this file (same rank and targets): its query side, and its encoding side
+    when it has one and ``adapter_config`` asks for the same kind; an encoding side it lacks starts as the identity.
+    """
     torch.manual_seed(config.seed)
+    clock = time.perf_counter()
     model = engine.lm.model
-    adapter = SpliceAdapter(model, adapter_config, engine.lm.fingerprint()).attach()
+    adapter = SpliceAdapter(model, adapter_config, engine.lm.fingerprint())
+    if init is not None:
+        _start_from(adapter, SpliceAdapter.load(init, model, engine.lm.fingerprint()), init)
+    adapter.attach()
     params = [*adapter.parameters()]
     optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay)
     frozen = [p for p in model.parameters() if p.requires_grad]
@@ -234,7 +248,24 @@ def train_adapter(
         for p in frozen:
             p.requires_grad_(True)
     adapter.load_state_dict(best_state)
+    report.seconds, report.pair_steps = time.perf_counter() - clock, seen
     return adapter.requires_grad_(False), report
+
+
+def _start_from(adapter: SpliceAdapter, start: SpliceAdapter, path: Path) -> None:
+    """Copy ``start``'s pairs into ``adapter`` (both sides where they match); ``PCRagError`` if they do not fit."""
+    mine, theirs = adapter.config, start.config
+    if (mine.rank, mine.alpha, sorted(mine.targets)) != (theirs.rank, theirs.alpha, sorted(theirs.targets)):
+        msg = (
+            f"--init {path} has rank {theirs.rank}, alpha {theirs.alpha}, targets {','.join(theirs.targets)}; "
+            f"this run asks for rank {mine.rank}, alpha {mine.alpha}, targets {','.join(mine.targets)}"
+        )
+        raise PCRagError(msg)
+    state = start.state_dict()
+    if theirs.encoding != mine.encoding:  # only the query side carries over
+        state = {k: v for k, v in state.items() if k.startswith(("lora_a.", "lora_b."))}
+    missing = adapter.load_state_dict(state, strict=False).missing_keys
+    assert all(k.startswith(("encode_a.", "encode_b.")) for k in missing), missing
 
 
 def _shuffled_epochs(pairs: Sequence[Pair], epochs: int, rng: random.Random) -> Iterator[Pair]:
