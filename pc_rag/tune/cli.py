@@ -41,7 +41,7 @@ def add_parsers(commands: argparse._SubParsersAction, positive: Callable[[str], 
     tune.add_argument("--init", type=Path, default=None,
                       help="start from this adapter file (same rank and targets), e.g. the shipped one")  # fmt: skip
     tune.add_argument("--questions", type=positive, default=None,
-                      help="--dataset: only the first N questions of the tuning split (a cheaper run)")  # fmt: skip
+                      help="--dataset: train on the first N questions of the tuning split only")  # fmt: skip
     tune.add_argument("--epochs", type=int, default=4, help="passes over the training pairs (default 4)")
     tune.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (default 1e-3)")
     tune.add_argument("--accumulate", type=int, default=8, help="pairs per optimizer step (default 8)")

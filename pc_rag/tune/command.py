@@ -46,8 +46,8 @@ def tune(
 ) -> dict:
     """Generate (or resume) the teacher set, train, save the adapter at ``out``; return the report.
 
-    ``questions``: only the first that many of the split (a quarter of them, at most ``VALIDATION_SIZE``, for
-    validation), for a cheaper run. ``init``: start from this adapter's query side.
+    ``questions``: train on only the first that many questions of the split, for a cheaper run (validation stays
+    the split's last ``VALIDATION_SIZE``). ``init``: start from the adapter in this file.
 
     With ``calibration_grid`` (temperatures, scales) APE's (T, S) is then fitted on the validation pairs
     with the adapter applied and saved beside it (``<fingerprint>.calibration.json``).
@@ -58,9 +58,8 @@ def tune(
         msg = f"{dataset} holds {len(split)} questions of the tuning split ({TUNING_SPLIT}), not {wanted}"
         raise PCRagError(msg)
     if questions is not None:
-        split = split[:questions]
-    validation = min(VALIDATION_SIZE, len(split) // 4)
-    source = PairSource(engine, split, work, variants, val_from=len(split) - validation)
+        split = split[: min(questions, len(split) - VALIDATION_SIZE)] + split[-VALIDATION_SIZE:]
+    source = PairSource(engine, split, work, variants, val_from=len(split) - VALIDATION_SIZE)
     teacher = TeacherSet(work / "teacher")
     build_teacher(source, teacher, progress=progress)
     if teacher_only:
@@ -68,7 +67,7 @@ def tune(
     return train_and_save(
         engine, source, teacher, out, adapter_config=adapter_config, train_config=train_config,
         calibration_grid=calibration_grid, progress=progress, init=init,
-        extra={"variants": list(variants), "questions": len(split)},
+        extra={"variants": list(variants), "questions": len(split) - VALIDATION_SIZE},
     )  # fmt: skip
 
 
