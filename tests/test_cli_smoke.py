@@ -144,6 +144,25 @@ def test_eval(home, capsys, tmp_path) -> None:
     assert "prefix" in out and (tmp_path / "e.json").is_file()
 
 
+def test_eval_serves_a_given_adapter_file_encoding_side_included(home, capsys, tmp_path) -> None:
+    import torch
+
+    from pc_rag.model import load_model
+    from pc_rag.rag.adapter import AdapterConfig, SpliceAdapter
+
+    lm = load_model(str(home / "model"))
+    adapter = SpliceAdapter(lm.model, AdapterConfig(rank=2, encoding="separate"), lm.fingerprint())
+    with torch.no_grad():
+        for p in adapter.parameters():
+            p.normal_(0, 0.05)
+    adapter.save(tmp_path / "a.safetensors")
+    out, _ = run(home, capsys, "eval", "--dataset", str(SAMPLE), "--limit", "1", "--modes", "full,fast",
+                 "--max-new-tokens", "2", "--json", str(tmp_path / "e.json"), "--adapter", str(tmp_path / "a.safetensors"))  # fmt: skip
+    config = json.loads((tmp_path / "e.json").read_text())["config"]
+    assert "fast" in out and config["adapter_digest"] == adapter.digest
+    assert "no such file" in fails(home, capsys, "eval", "--dataset", str(SAMPLE), "--adapter", str(tmp_path / "x"))
+
+
 def fails(home: Path, capsys: pytest.CaptureFixture[str], *args: str) -> str:
     """``pc-rag --model <tiny> ARGS``'s one-line error, after checking it exited 2."""
     code = main(["--model", str(home / "model"), *args])

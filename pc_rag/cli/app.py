@@ -74,10 +74,13 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--max-batch", type=_positive, default=16, help="requests decoded together (default 16)")
     serve.add_argument("--queue-limit", type=_positive, default=64, help="waiting requests before 429 (default 64)")
     module_args.add_module_args(serve)
-    store = commands.add_parser("store", help="verify (read-only), repair, compact or re-encode a document store")
-    store.add_argument("action", choices=["verify", "repair", "compact", "recode"])
+    store = commands.add_parser("store", help="verify (read-only), repair, compact, recode (compression) or "
+                                "reencode (chunk KV from text, for a mode) a document store")  # fmt: skip
+    store.add_argument("action", choices=["verify", "repair", "compact", "recode", "reencode"])
     store.add_argument("--store", type=Path, required=True, help="store directory")
     store.add_argument("--codec", default=None, metavar="raw|cachegen[:LEVEL,...]", help="recode: the new KV encoding")
+    store.add_argument("--mode", default=None, help="reencode: the recovery mode to encode chunks for and record "
+                       "(default: the store's)")  # fmt: skip
     store.add_argument("--json", type=Path, default=None, help="recode: write sizes and seconds as JSON here")
     bench_commands.add_parser(commands, _positive)
     _add_eval_parser(commands)
@@ -129,6 +132,12 @@ def _run(args: argparse.Namespace) -> int:
             raise PCRagError("--codec goes with `store recode`, and `store recode` needs it")
         if args.command == "store" and args.action != "recode" and args.json is not None:
             raise PCRagError("--json goes with `store recode`")
+        if args.command == "store" and args.action != "reencode" and args.mode is not None:
+            raise PCRagError("--mode goes with `store reencode`")
+        if args.command == "store" and args.mode is not None:
+            from pc_rag.rag.modes import resolve_mode
+
+            resolve_mode(args.mode)  # an unknown mode, before the model loads
         if args.command == "store" and args.codec is not None:
             from pc_rag.store.codec_setup import parse_codec
 
@@ -155,7 +164,7 @@ def _run(args: argparse.Namespace) -> int:
         store_commands.ask(lm, args.store, args.question, k=args.k, mode=args.mode, compare_full=args.full,
                            max_new_tokens=args.max_new_tokens, **module_args.module_options(args))  # fmt: skip
     elif args.command == "store":
-        store_commands.store_maintenance(lm, args.action, args.store, args.codec, args.json)
+        store_commands.store_maintenance(lm, args.action, args.store, args.codec, args.json, mode=args.mode)
     elif args.command == "serve":
         store_commands.serve(lm, args.store, host=args.host, port=args.port, mode=args.mode, max_batch=args.max_batch,
                              queue_limit=args.queue_limit, **module_args.module_options(args))  # fmt: skip
@@ -236,6 +245,9 @@ def _add_eval_parser(commands: argparse._SubParsersAction) -> None:
     ev.add_argument("--json", type=Path, default=None, help="write the result rows as JSON here")
     ev.add_argument("--plot", type=Path, default=None, help="write an F1-vs-TTFT PNG here")
     ev.add_argument("--max-new-tokens", type=int, default=32)
+    ev.add_argument("--adapter", type=Path, default=None,
+                    help="serve the adapter modes with this splice adapter file (pc-rag tune --out) instead of the "
+                         "model's own")  # fmt: skip
     ev.add_argument("--setting", default="closed", help="closed, open or closed,open (open: pooled store, top-k)")
     ev.add_argument("-k", type=int, default=10, help="open retrieval: passages retrieved per question")
     ev.add_argument("--store-dir", type=Path, default=None, help="open retrieval: where pooled stores are "
@@ -303,8 +315,15 @@ def _run_eval(args: argparse.Namespace) -> int:
     if args.plot:
         require_matplotlib()
 
+    if args.adapter is not None and not args.adapter.is_file():
+        msg = f"--adapter {args.adapter}: no such file"
+        raise EvalError(msg)
     lm = load_model(args.model or DEFAULT_MODEL, device=args.device, dtype=args.dtype or "float32")
     engine = RagEngine(lm, RagPrompt.longbench())
+    if args.adapter is not None:
+        from pc_rag.rag.tuned import merged_adapter
+
+        engine.tuned.use(merged_adapter(lm, args.adapter, lm.fingerprint()))  # merged: served at the plain cost
     reference = None
     if args.reference_dtype is not None:
         reference_lm = load_model(args.model or DEFAULT_MODEL, device=args.device, dtype=args.reference_dtype)
@@ -342,6 +361,8 @@ def _run_eval(args: argparse.Namespace) -> int:
             "codec": args.codec,
             "codec_tables": codec.tables.digest if codec is not None else None,
             "kv_dtypes": kv_dtypes,
+            "adapter": str(args.adapter) if args.adapter is not None else None,
+            "adapter_digest": engine.tuned.adapter().digest if engine.tuned.has_adapter() else None,
         }
         write_json(rows, args.json, config)
     if args.plot:
