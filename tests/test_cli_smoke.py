@@ -157,7 +157,8 @@ def test_eval_serves_a_given_adapter_file_encoding_side_included(home, capsys, t
             p.normal_(0, 0.05)
     adapter.save(tmp_path / "a.safetensors")
     out, _ = run(home, capsys, "eval", "--dataset", str(SAMPLE), "--limit", "1", "--modes", "full,fast",
-                 "--max-new-tokens", "2", "--json", str(tmp_path / "e.json"), "--adapter", str(tmp_path / "a.safetensors"))  # fmt: skip
+                 "--max-new-tokens", "2", "--json", str(tmp_path / "e.json"),
+                 "--adapter", str(tmp_path / "a.safetensors"))  # fmt: skip
     config = json.loads((tmp_path / "e.json").read_text())["config"]
     assert "fast" in out and config["adapter_digest"] == adapter.digest
     assert "no such file" in fails(home, capsys, "eval", "--dataset", str(SAMPLE), "--adapter", str(tmp_path / "x"))
