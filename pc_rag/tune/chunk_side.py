@@ -20,6 +20,8 @@ from pc_rag.model_call import with_cache
 from pc_rag.rag.adapter import SpliceAdapter
 from pc_rag.rag.engine import Chunk, RagEngine
 
+BATCH = 4  # chunks encoded together, by length
+
 
 def encoded_chunk_cache(
     engine: RagEngine, adapter: SpliceAdapter, chunks: Sequence[Chunk], slots: Sequence[tuple[int, int]]
@@ -29,18 +31,44 @@ def encoded_chunk_cache(
         msg = "joint training needs chunks, all encoded the same way (all after the preamble, or all alone)"
         raise PCRagError(msg)
     model, rope, head = engine.lm.model, engine.lm.rope, engine.head_kv
-    device = engine.lm.device
+    layers = range(head.keys.shape[0])
+    dtype = next(model.parameters()).dtype
+    head_k = [head.keys[i].to(engine.lm.device, dtype) for i in layers]  # [H, T, D]
+    head_v = [head.values[i].to(engine.lm.device, dtype) for i in layers]
+    encoded: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+    order = sorted(range(len(chunks)), key=lambda i: len(chunks[i].token_ids))  # similar lengths: little padding
+    for b in range(0, len(order), BATCH):
+        batch = order[b : b + BATCH]
+        kv = _encode(engine, adapter, [chunks[i] for i in batch], head_k, head_v)
+        encoded |= dict(zip(batch, kv, strict=True))
+    start = engine.canonical_start
+    spliced = []
+    for i in layers:
+        k_parts, v_parts = [head_k[i]], [head_v[i]]
+        for row, (slot, _) in enumerate(slots):
+            keys, values = encoded[row][i]
+            k_parts.append(rope.rotate_differentiable(keys, slot - start, i))
+            v_parts.append(values)
+        spliced.append((torch.cat(k_parts, dim=1)[None], torch.cat(v_parts, dim=1)[None]))
+    return DynamicCache(ddp_cache_data=spliced, config=model.config)
+
+
+def _encode(
+    engine: RagEngine,
+    adapter: SpliceAdapter,
+    chunks: Sequence[Chunk],
+    head_k: Sequence[torch.Tensor],
+    head_v: Sequence[torch.Tensor],
+) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
+    """Per chunk, per layer, its (keys, values) [H, n, D] at the canonical start, encoded in one padded batch."""
+    model, device = engine.lm.model, engine.lm.device
     conditioned = chunks[0].conditioned
-    ctx = head.length if conditioned else 0
+    ctx = head_k[0].shape[1] if conditioned else 0
     width, start = max(len(c.token_ids) for c in chunks), engine.canonical_start
     ids = torch.zeros(len(chunks), width, dtype=torch.long)
     for row, chunk in enumerate(chunks):
         ids[row, : len(chunk.token_ids)] = torch.as_tensor(chunk.token_ids)
     positions = torch.arange(start, start + width).expand(len(chunks), width)  # pads continue; causality hides them
-    layers = range(head.keys.shape[0])
-    dtype = next(model.parameters()).dtype
-    head_k = [head.keys[i].to(device, dtype) for i in layers]  # [H, T, D]
-    head_v = [head.values[i].to(device, dtype) for i in layers]
     # full layers only (no config): a sliding-window layer would keep just its window of the chunk's KV, while the
     # model still masks each layer as its type says
     if conditioned:
@@ -53,13 +81,11 @@ def encoded_chunk_cache(
         model.get_decoder()(
             input_ids=ids.to(device), position_ids=positions.to(device), **with_cache(cache), use_cache=True
         )
-    spliced = []
-    for i in layers:
-        keys, values = cache.layers[i].keys, cache.layers[i].values  # [B, H, ctx + width, D]
-        k_parts, v_parts = [head_k[i]], [head_v[i]]
-        for row, (chunk, (slot, _)) in enumerate(zip(chunks, slots, strict=True)):
-            n = len(chunk.token_ids)
-            k_parts.append(rope.rotate_differentiable(keys[row, :, ctx : ctx + n], slot - start, i))
-            v_parts.append(values[row, :, ctx : ctx + n])
-        spliced.append((torch.cat(k_parts, dim=1)[None], torch.cat(v_parts, dim=1)[None]))
-    return DynamicCache(ddp_cache_data=spliced, config=model.config)
+    return [
+        [
+            (cache.layers[i].keys[row, :, ctx : ctx + len(c.token_ids)],
+             cache.layers[i].values[row, :, ctx : ctx + len(c.token_ids)])
+            for i in range(len(head_k))
+        ]
+        for row, c in enumerate(chunks)
+    ]  # fmt: skip
