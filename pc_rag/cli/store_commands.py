@@ -125,12 +125,16 @@ def _note_ignored_options(store: DocumentStore, options: dict[str, object]) -> N
 
 
 def store_maintenance(
-    lm: LoadedModel, action: str, store_dir: Path, codec: str | None = None, json_out: Path | None = None
-) -> None:
-    """``verify`` (read-only: every checksum and cross-reference), ``repair``, ``compact`` or ``recode`` (as
-    ``codec``; ``json_out`` records sizes, tokens and seconds) the store."""
+    lm: LoadedModel, action: str, store_dir: Path, codec: str | None = None, json_out: Path | None = None, *,
+    mode: str | None = None,
+) -> None:  # fmt: skip
+    """``verify`` (read-only: every checksum and cross-reference), ``repair``, ``compact``, ``recode`` (as
+    ``codec``; ``json_out`` records sizes, tokens and seconds) or ``reencode`` (every chunk's KV from its text, for
+    ``mode``, default the store's) the store."""
     with DocumentStore.load(store_dir, engine_for(lm)) as store:
-        if action == "verify":
+        if action == "reencode":
+            print(f"{store_dir}: {store.reencode(mode)}")
+        elif action == "verify":
             print(store.verify())
         elif action == "repair":
             report = store.repair()
@@ -206,6 +210,7 @@ def serve(lm: LoadedModel, store_dir: Path, *, host: str, port: int, mode: str |
     from pc_rag.server.http import create_app
 
     store = DocumentStore.load(store_dir, engine_for(lm), **module_options)
+    store.check_mode(mode)  # a store its mode cannot read is refused now, not at every request
     scheduler = Scheduler(lm, max_batch=max_batch, queue_limit=queue_limit)
     app = create_app(PromptServer(store=store, mode=mode, scheduler=scheduler))
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="info"))

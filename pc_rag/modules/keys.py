@@ -1,9 +1,9 @@
 """Keys of stored modules: what made the KV, and which chunk it is.
 
 A key names the model (its fingerprint), the encoding (preamble, chunking, start position, conditioning,
-storage dtype, codec tables and level) and the chunk's content (a hash of its token ids), so a store only
-ever finds KV made exactly the way it would make it: two stores that share a backend exchange modules
-only when they would have encoded them identically.
+splice adapter encoding side, storage dtype, codec tables and level) and the chunk's content (a hash of its
+token ids), so a store only ever finds KV made exactly the way it would make it: two stores that share a
+backend exchange modules only when they would have encoded them identically.
 """
 
 from __future__ import annotations
@@ -28,10 +28,14 @@ class Encoding:
     start_position: int
     conditioned: bool
     storage: str  # a dtype name ("bfloat16"), or "cachegen:<table digest>:<level>"
+    encoder: str = ""  # the splice adapter encoding side chunks are encoded with (its encoding_digest); "": none
 
     @property
     def digest(self) -> str:
-        return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:24]
+        fields = asdict(self)
+        if not self.encoder:  # plain-model modules keep the keys they had before encoders existed
+            del fields["encoder"]
+        return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:24]
 
 
 @dataclass(frozen=True)

@@ -40,6 +40,8 @@ class ChunkEncoder:
             raise StoreMismatchError(msg, {"model_fingerprint": (self.spec.model_fingerprint, fingerprint)})
         self.engine = RagEngine(lm, RagPrompt(**self.spec.prompt))
         self.conditioned = resolve_mode(self.spec.mode).conditioned
+        encoding = Encoding(**self.spec.encoding)
+        self.encoder = encoding.encoder  # the store's chunk encoder: this node's adapter must have it, or it refuses
         codec = None
         if self.spec.codec_levels:  # the tables installed with pc-rag on this node, as the store's
             tables = model_tables(fingerprint)[1]
@@ -49,7 +51,7 @@ class ChunkEncoder:
             codec = CacheGenCodec(tables)
         storage = STORAGE_DTYPES[self.spec.storage_dtype]
         self.writer = ModuleKV(
-            open_module_store(self.spec.modules), Manifest(), fingerprint, Encoding(**self.spec.encoding),
+            open_module_store(self.spec.modules), Manifest(), fingerprint, encoding,
             dtype=storage, compute_dtype=lm.dtype, codec=codec, levels=self.spec.codec_levels, lru_bytes=0,
         )  # fmt: skip
         self.embedder = SentenceTransformerEmbedder(**self.spec.embedder) if self.spec.embedder else None
@@ -59,7 +61,8 @@ class ChunkEncoder:
         todo = [i for i, flag in enumerate(batch["encode"]) if flag]
         if todo:
             ids = [[int(t) for t in batch["token_ids"][i]] for i in todo]
-            encoded = self.engine.encode_token_ids(ids, self.conditioned, [module_text(texts[i]) for i in todo])
+            texts_todo = [module_text(texts[i]) for i in todo]
+            encoded = self.engine.encode_token_ids(ids, self.conditioned, texts_todo, encoder=self.encoder)
             self.writer.put_many({str(batch["content_hash"][i]): c.kv for i, c in zip(todo, encoded, strict=True)})
         out = {"chunk_id": np.asarray(batch["chunk_id"], dtype=np.int64)}
         if self.embedder is not None:

@@ -7,7 +7,8 @@ from the store as ``/v1/rag`` does, its sources in the reply's ``sources``. Buil
 chunks' KV) is model work and runs on the scheduler's thread (``Scheduler.call``); decoding is batched across
 requests by the scheduler. Bad input (validation included) answers 400 naming the field, an unknown model or
 route 404, a full queue 429 with ``Retry-After``, a closed scheduler 503, a module store that is unreachable or
-lost modules 503 with ``Retry-After``, always as an OpenAI error body. This module knows nothing about attention
+lost modules 503 with ``Retry-After``, a mode the store's chunks were not encoded for 409 (``pc-rag store
+reencode`` fixes it), always as an OpenAI error body. This module knows nothing about attention
 or storage formats.
 """
 
@@ -19,6 +20,7 @@ from typing import Any
 
 from pc_rag.errors import ModuleStoreError, PCRagError, ServerBusyError
 from pc_rag.generate import GenerationResult, ReplyStream, collect
+from pc_rag.rag.engine import ChunkEncodingError
 from pc_rag.runtime.request import Request
 from pc_rag.server.model_ids import ModelIds, ModelNotFoundError
 from pc_rag.server.openai_api import (
@@ -82,6 +84,10 @@ def create_app(server: PromptServer) -> Any:
     @app.exception_handler(ModuleStoreError)
     def store_unavailable(_: object, e: ModuleStoreError) -> JSONResponse:  # the module store, not the request
         return JSONResponse(error_body(str(e), "unavailable"), status_code=503, headers={"Retry-After": "1"})
+
+    @app.exception_handler(ChunkEncodingError)
+    def wrong_encoding(_: object, e: ChunkEncodingError) -> JSONResponse:  # the store's state, not the request
+        return JSONResponse(error_body(str(e), code="chunk_encoding_mismatch"), status_code=409)
 
     @app.exception_handler(PCRagError)
     def bad_request(_: object, e: PCRagError) -> JSONResponse:

@@ -113,6 +113,8 @@ class PromptServer:
         full prefill of the same tokens)."""
         store = self._require_store("answering a question")
         _check_settings(sampling, SamplingParams.__dataclass_fields__)
+        if not full:
+            store.check_mode(self._mode(mode))  # chunks encoded otherwise than the mode reads them: before retrieval
         ranked = tuple(store.search(question, k))  # best first: how sources are listed
         chunks = store.chunks(reorder(ranked, order))  # how the prompt lays them out
         if full:
@@ -135,6 +137,8 @@ class PromptServer:
                 return full_request(ids, SamplingParams(**sampling))  # type: ignore[arg-type]
             return self.prompt_cache.request(prompt, **sampling)
         if self.store is not None:
+            if not full and split_module_prompt(prompt).refs:
+                self.store.check_mode(self._mode(mode))
             before, chunks, after = self.store.prompt_chunks(prompt)
             return self.store.engine.request_around(
                 before, chunks, after, None if full else self._mode(mode), **sampling

@@ -70,12 +70,13 @@ def encode_and_index(
         store.index.add([c for c, _ in items], np.stack([vectors[c] for c, _ in items]))
         bar.update(len(items))
         return
-    conditioned = resolve_mode(store.mode).conditioned
+    conditioned, encoder = resolve_mode(store.mode).conditioned, store_encoder(store)
     for i in range(0, len(items), BATCH):
         part = items[i : i + BATCH]
         todo = [(cid, r) for cid, r in part if modules is None or r.content_hash in missing]
         texts = [module_text(r.text) for _, r in todo]
-        encoded = store.engine.encode_token_ids([token_ids[c] for c, _ in todo], conditioned, texts) if todo else []
+        ids = [token_ids[c] for c, _ in todo]
+        encoded = store.engine.encode_token_ids(ids, conditioned, texts, encoder=encoder) if todo else []
         if modules is not None:
             modules.put_many({r.content_hash: chunk.kv for (_, r), chunk in zip(todo, encoded, strict=True)})
         else:
@@ -88,5 +89,12 @@ def encode_again(store: DocumentStore, chunk_ids: Sequence[int]) -> list[SpanKV]
     """The KV of stored ``chunk_ids`` encoded from their text, as indexing did (when their modules are lost)."""
     texts = [module_text(store.manifest.chunks[c].text) for c in chunk_ids]
     conditioned = resolve_mode(store.mode).conditioned
-    encoded = store.engine.encode_token_ids([store.engine.tokenize(t) for t in texts], conditioned, texts)
-    return [chunk.kv for chunk in encoded]
+    ids = [store.engine.tokenize(t) for t in texts]
+    return [chunk.kv for chunk in store.engine.encode_token_ids(ids, conditioned, texts, encoder=store_encoder(store))]
+
+
+def store_encoder(store: DocumentStore) -> str:
+    """The chunk encoder ``store``'s KV was made with (its identity's): new KV must be made the same way, or
+    ``ChunkEncodingError`` (the engine's adapter changed since: ``pc-rag store reencode``)."""
+    assert store.manifest.identity is not None
+    return store.manifest.identity.chunk_encoder

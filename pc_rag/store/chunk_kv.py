@@ -21,7 +21,8 @@ ChunkKV = KVStore | ModuleKV
 
 
 def module_encoding(identity: StoreIdentity, storage: torch.dtype) -> Encoding:
-    """The encoding a store's module keys name: its preamble, chunking, start position, conditioning, dtype."""
+    """The encoding a store's module keys name: its preamble, chunking, start position, conditioning, chunk
+    encoder, dtype."""
     return Encoding(
         preamble_hash=identity.preamble_hash,
         chunk_tokens=identity.chunk_tokens,
@@ -29,6 +30,7 @@ def module_encoding(identity: StoreIdentity, storage: torch.dtype) -> Encoding:
         start_position=identity.start_position,
         conditioned=identity.encoding_mode.endswith("/conditioned"),
         storage=str(storage).removeprefix("torch."),
+        encoder=identity.chunk_encoder,
     )
 
 

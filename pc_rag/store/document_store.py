@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import shlex
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -31,7 +32,7 @@ from pc_rag.rag.markers import module_ref, split_module_prompt
 from pc_rag.rag.modes import resolve_mode
 from pc_rag.rag.order import BEST_FIRST, reorder
 from pc_rag.store._atomic import sha256_file
-from pc_rag.store.chunk_encoding import ChunkWorkers, encode_again, encode_and_index, module_text
+from pc_rag.store.chunk_encoding import ChunkWorkers, encode_again, encode_and_index, module_text, store_encoder
 from pc_rag.store.chunk_kv import ChunkKV, open_chunk_kv
 from pc_rag.store.chunking import split_text
 from pc_rag.store.codec_setup import install_codec, open_codec, parse_codec
@@ -46,6 +47,7 @@ from pc_rag.store.index import VectorIndex
 from pc_rag.store.kvstore import DEFAULT_LRU_BYTES
 from pc_rag.store.manifest import MANIFEST_NAME, ChunkRecord, DocRecord, IndexRecord, Manifest, text_hash
 from pc_rag.store.module_kv import ModuleKV
+from pc_rag.store.reencoding import ReencodeReport, reencode_chunks
 from pc_rag.store.writer_lock import WriterLock
 
 if TYPE_CHECKING:  # the engine encodes for the store; importing it would load the serving stack
@@ -64,7 +66,7 @@ class DocumentStore:
     for an existing one; both check that what is on disk matches.
 
     Transactions: every write (``add_documents``, ``delete``, ``compact``,
-    ``repair``) first takes the store's writer lock, held until ``close``: one
+    ``repair``, ``recode``, ``reencode``) first takes the store's writer lock, held until ``close``: one
     writer at a time, across processes, and a second gets ``StoreLockedError``.
     A change becomes visible to other processes only when ``commit`` replaces
     the manifest, so a killed writer leaves the last commit intact. Loading never
@@ -166,11 +168,15 @@ class DocumentStore:
         embedder = SentenceTransformerEmbedder() if embedder is None else as_embedder(embedder)
         mode = stored.encoding_mode.split("/")[0]
         storage = storage_dtype(directory, stored.model_dtype)
-        expected = store_identity(
-            engine, embedder, stored.index_kind, stored.chunk_tokens, stored.overlap_tokens, mode, storage
-        )
+        expected = store_identity(  # how its chunks were encoded is checked when a mode is served (check_mode)
+            engine, embedder, stored.index_kind, stored.chunk_tokens, stored.overlap_tokens, mode, storage,
+            chunk_encoder=stored.chunk_encoder,
+        )  # fmt: skip
         manifest.check_compatible(expected)
-        warn_if_serving_changed(directory, manifest.serving, serving_assumptions(engine, mode))
+        if problem := _encoding_problem(directory, engine, stored.chunk_encoder, mode):  # other modes may read it
+            logger.warning("%s (it loads, but answering in mode %r is refused until then)", problem, mode)
+        else:
+            warn_if_serving_changed(directory, manifest.serving, serving_assumptions(engine, mode))
         codec = open_codec(directory, manifest, engine.lm.fingerprint())
         kv = open_chunk_kv(directory, manifest, storage=storage, compute_dtype=engine.lm.dtype, lru_bytes=lru_bytes,
                            codec=codec, modules=modules)  # fmt: skip
@@ -231,7 +237,8 @@ class DocumentStore:
             stamp = manifest_stamp(self.directory)
             manifest, index = read_commit(self.directory)
             if manifest.identity != self.manifest.identity:
-                msg = f"the store at {self.directory} was rebuilt with another setup since it was loaded; load it again"
+                msg = (f"the store at {self.directory} was re-encoded or rebuilt with another setup since it was "
+                       "loaded; load it again")  # fmt: skip
                 raise StoreError(msg)
             changed = manifest.generation != self.manifest.generation
             if changed:
@@ -290,6 +297,32 @@ class DocumentStore:
             self.commit()
             return bytes_on_disk(self.directory)
 
+    def reencode(self, mode: str | None = None, *, progress: bool = True) -> ReencodeReport:
+        """Encode every chunk's KV again from its text with this engine, the way ``mode`` (default: the store's)
+        reads chunks (after the preamble or alone; by the splice adapter's encoding side or the plain model), and
+        make ``mode`` the store's, with its chunk encoder and serving assumptions: one commit, before which nothing
+        is visible (a crash leaves the store as it was). Any mode may follow any other: the KV is made from text.
+        What ``pc-rag store reencode`` runs after the model's adapter changed, or to serve another mode."""
+        with self._write_mutex:
+            self._begin_write()
+            old_identity, old_serving, old_mode = self.manifest.identity, self.manifest.serving, self.mode
+            report, undo = reencode_chunks(self, mode or self.mode, progress=progress)
+            try:
+                self.commit()
+            except BaseException:
+                self.manifest.identity, self.manifest.serving, self.mode = old_identity, old_serving, old_mode
+                undo()
+                raise
+            return report
+
+    def check_mode(self, mode: str | None = None) -> None:
+        """``ChunkEncodingError`` unless ``mode`` (default: the store's) reads chunks encoded the way this store's
+        were (``RagEngine.chunk_encoder``), naming the command that re-encodes this store for it."""
+        if problem := _encoding_problem(self.directory, self.engine, store_encoder(self), mode or self.mode):
+            from pc_rag.rag.engine import ChunkEncodingError  # loaded already: this store holds an engine
+
+            raise ChunkEncodingError(problem)
+
     def _begin_write(self) -> None:
         """Before the first write: take the writer lock and catch up with commits made since this store loaded."""
         if self._writer.held:
@@ -298,6 +331,10 @@ class DocumentStore:
         try:
             if (self.directory / MANIFEST_NAME).exists():
                 manifest, index = read_commit(self.directory)
+                if manifest.identity != self.manifest.identity:
+                    msg = (f"the store at {self.directory} was re-encoded or rebuilt with another setup since it was "
+                           "loaded; load it again")  # fmt: skip
+                    raise StoreError(msg)
                 if manifest.generation != self.manifest.generation:
                     self._adopt(manifest, index)
         except BaseException:
@@ -351,6 +388,8 @@ class DocumentStore:
         with self._write_mutex:
             self._begin_write()
             pieces = [p for p in pieces if not self.is_current(p[0], p[1], p[2])]
+            if pieces:
+                self._check_encoder()
             total = sum(len(p[3]) for p in pieces)
             bar = tqdm(total=total, desc="encoding chunks", unit="chunk", disable=not progress or not total)
             schedule = CommitSchedule(commit_every, commit_seconds, clock)
@@ -365,6 +404,22 @@ class DocumentStore:
                 if schedule.pending:  # the parts added since the last commit, also when a later one failed
                     self.commit()
         return ids
+
+    def _check_encoder(self) -> None:
+        """``ChunkEncodingError`` unless this engine can still encode chunks the way this store's were (its
+        model's splice adapter has the encoding side the store recorded), before any is encoded."""
+        have = store_encoder(self)
+        if not have:
+            return
+        now = self.engine.tuned.adapter().encoding_digest
+        if now != have:
+            from pc_rag.rag.engine import ChunkEncodingError  # loaded already: this store holds an engine
+
+            command = f"pc-rag store reencode --store {shlex.quote(str(self.directory))}"
+            msg = (f"the chunks of the store at {self.directory} were encoded by splice adapter encoding {have}, but "
+                   f"this model's adapter encodes {now or 'nothing (it has no encoding side)'}: new chunks would not "
+                   f"match them; re-encode the store with `{command}` first")  # fmt: skip
+            raise ChunkEncodingError(msg)
 
     def is_current(self, doc_id: str, text: str, metadata: dict[str, Any] | None = None) -> bool:
         """Whether the store holds ``doc_id`` with exactly this text and metadata (adding it again is a no-op)."""
@@ -443,13 +498,13 @@ class DocumentStore:
     def chunks(self, handles: Sequence[ModuleHandle]) -> list[Chunk]:
         """The engine chunks (token ids and KV) behind ``handles``, in the given order, each named by its store,
         shard and level so that requests may share its KV (``Chunk.source``)."""
-        conditioned = resolve_mode(self.mode).conditioned
+        conditioned, encoder = resolve_mode(self.mode).conditioned, store_encoder(self)
         spans = self.kv.get_many_versioned([h.chunk_id for h in handles])
         out = []
         for handle, (version, kv) in zip(handles, spans, strict=True):
             text = module_text(handle.text)
             source = f"store/{self.store_id}/{version}"  # the same KV wherever this store is served
-            out.append(Chunk(text, tuple(self.engine.tokenize(text)), kv, conditioned, source))
+            out.append(Chunk(text, tuple(self.engine.tokenize(text)), kv, conditioned, source, encoder))
         return out
 
     @property
@@ -492,6 +547,20 @@ class DocumentStore:
             msg = f"the prompt references chunks of store(s) {foreign}, but this store is {self.store_id}"
             raise StoreError(msg)
         return parsed.before, self.chunks([self.handle(cid) for _, cid in parsed.refs]), parsed.after
+
+
+def _encoding_problem(directory: Path, engine: RagEngine, have: str, mode: str) -> str | None:
+    """What is wrong with serving ``mode`` from chunks encoded by ``have`` (a chunk encoder), or None."""
+    wanted = engine.chunk_encoder(mode)
+    if wanted == have:
+        return None
+
+    def by(encoder: str) -> str:
+        return f"splice adapter encoding {encoder}" if encoder else "the plain model"
+
+    command = f"pc-rag store reencode --store {shlex.quote(str(directory))} --mode {shlex.quote(mode)}"
+    return (f"the chunks of the store at {directory} were encoded by {by(have)}, but mode {mode!r} reads chunks "
+            f"encoded by {by(wanted)}: re-encode them with `{command}`")  # fmt: skip
 
 
 def _sha256(text: str) -> str:

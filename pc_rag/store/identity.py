@@ -26,13 +26,12 @@ logger = logging.getLogger(__name__)
 
 def store_identity(
     engine: RagEngine, embedder: Embedder, index_kind: str, chunk_tokens: int, overlap_tokens: int, mode: str,
-    storage_dtype: torch.dtype,
+    storage_dtype: torch.dtype, *, chunk_encoder: str | None = None,
 ) -> StoreIdentity:  # fmt: skip
-    try:
-        conditioned = resolve_mode(mode).conditioned
-    except PCRagError as e:
-        raise StoreError(str(e)) from e
-    encoding = "conditioned" if conditioned else "isolated"
+    """The identity of a store ``engine`` builds for ``mode``; its ``chunk_encoder`` is how ``mode`` wants chunks
+    encoded (``RagEngine.chunk_encoder``) unless given (a loaded store's own: it is checked when a mode is served,
+    not when the store loads)."""
+    encoding = encoding_mode(mode)
     return StoreIdentity(
         model_name=engine.lm.name,
         model_fingerprint=engine.lm.fingerprint(),
@@ -41,12 +40,23 @@ def store_identity(
         chunk_tokens=chunk_tokens,
         overlap_tokens=overlap_tokens,
         preamble_hash=engine.prompt.digest(),
-        encoding_mode=f"{mode}/{encoding}",
+        encoding_mode=encoding,
         start_position=engine.canonical_start,
         embedder_name=embedder.name,
         embedder_dim=embedder.dim,
         index_kind=index_kind,
+        chunk_encoder=engine.chunk_encoder(mode) if chunk_encoder is None else chunk_encoder,
     )
+
+
+def encoding_mode(mode: str) -> str:
+    """What a store records of ``mode``: ``<mode>/conditioned`` (chunks encoded after the preamble) or
+    ``<mode>/isolated``; ``StoreError`` for an unknown mode."""
+    try:
+        conditioned = resolve_mode(mode).conditioned
+    except PCRagError as e:
+        raise StoreError(str(e)) from e
+    return f"{mode}/{'conditioned' if conditioned else 'isolated'}"
 
 
 def serving_assumptions(engine: RagEngine, mode: str) -> dict[str, str]:

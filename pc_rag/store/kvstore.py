@@ -26,7 +26,7 @@ import logging
 import os
 import secrets
 import threading
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -156,26 +156,57 @@ class KVStore:
                 raise StoreError(msg)
             before = (self.codec, self.levels)
             self.codec, self.levels = codec, tuple(sorted(set(levels)))
-            seq = 1 + max((int(Path(n).name.split("-")[0]) for n in self.manifest.shards), default=0)
-            written: dict[str, ShardRecord] = {}
             try:
-                for start in tqdm(
-                    range(0, len(ids), chunks_per_shard), desc="recode", unit="shard", disable=not progress
-                ):
-                    batch = ids[start : start + chunks_per_shard]
-                    spans = {c: SpanKV(*self._read(self._where[c], c)) for c in batch}
-                    name, record = self._write_shard(self._tensors(spans), batch, self._codec_name(), self.levels, seq)
-                    written[name] = record
-                    seq += 1
-                self._commit(written, written=list(written))
+                self._rewrite(ids, self._read_raw, "recode", progress, chunks_per_shard)
             except BaseException:
                 self.codec, self.levels = before
-                for name in written:
-                    (self.directory / name).unlink(missing_ok=True)
                 raise
+
+    def _read_raw(self, chunk_ids: list[int]) -> dict[int, SpanKV]:
+        return {c: SpanKV(*self._read(self._where[c], c)) for c in chunk_ids}
+
+    def replace_all(
+        self, chunk_ids: Iterable[int], spans_of: Callable[[list[int]], Mapping[int, SpanKV]], *,
+        progress: bool = True, chunks_per_shard: int = 64, desc: str = "re-encode",
+    ) -> None:  # fmt: skip
+        """Make the KV ``spans_of`` gives for ``chunk_ids`` (asked in that order, ``chunks_per_shard`` at a time: one
+        batch's KV in memory) all this store holds: new shards (in its storage: dtype or codec levels) become the
+        whole shard table in one commit, so chunks not named are dropped; on failure nothing changes. Readers keep
+        the old KV until then."""
+        self._rewrite(list(dict.fromkeys(chunk_ids)), spans_of, desc, progress, chunks_per_shard)
+
+    def _rewrite(
+        self, ids: list[int], spans_of: Callable[[list[int]], Mapping[int, SpanKV]], desc: str, progress: bool,
+        chunks_per_shard: int,
+    ) -> None:  # fmt: skip
+        """Write the spans of ``ids`` as new shards and commit them as the whole shard table; on failure remove
+        them. Shards are written outside the lock (they are unlisted until the commit), which takes it."""
+        with self._lock:
+            seq = 1 + max((int(Path(n).name.split("-")[0]) for n in self.manifest.shards), default=0)
+        written: dict[str, ShardRecord] = {}
+        try:
+            for start in tqdm(range(0, len(ids), chunks_per_shard), desc=desc, unit="shard", disable=not progress):
+                batch = ids[start : start + chunks_per_shard]
+                spans = {check_span(c, span): span for c, span in spans_of(batch).items()}
+                if sorted(spans) != sorted(batch):
+                    msg = f"{desc}: asked for the KV of chunks {batch[:5]}..., got that of {sorted(spans)[:5]}..."
+                    raise StoreError(msg)
+                name, record = self._write_shard(self._tensors(spans), batch, self._codec_name(), self.levels, seq)
+                written[name] = record
+                seq += 1
+        except BaseException:
+            for name in written:
+                (self.directory / name).unlink(missing_ok=True)
+            raise
+        with self._lock:
+            retired = set(self.manifest.shards)
+            self._commit(written, written=list(written))  # on failure, it removes them
+            for name in retired:
+                self._handles.pop(name, None)
+            self._suspect &= set(written)
             self._lru.clear()
-            if self._owns_manifest:
-                remove_unlisted(self.directory, self.manifest.listed_files())
+        if self._owns_manifest:
+            remove_unlisted(self.directory, self.manifest.listed_files())
 
     def get(self, chunk_id: int, level: int | None = None) -> SpanKV:
         """The span of ``chunk_id`` on ``device`` in ``compute_dtype``; ``KeyError`` if absent.

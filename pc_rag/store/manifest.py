@@ -24,9 +24,10 @@ from pc_rag.store.files import MANIFEST_NAME as MANIFEST_NAME  # its home is fil
 
 logger = logging.getLogger(__name__)
 
-FORMAT_VERSION = 5  # 2: versioned index file with a checksum, commit generation; 3: compressed KV shards;
+FORMAT_VERSION = 6  # 2: versioned index file with a checksum, commit generation; 3: compressed KV shards;
 # 4: chunk content hashes, KV in a module store; 5: a checksum per chunk in each shard record (older shard records
-# have none and are verified per shard only, until a compaction rewrites them)
+# have none and are verified per shard only, until a compaction rewrites them); 6: the identity's chunk_encoder
+# (older identities have none: their chunks were encoded by the plain model)
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,7 @@ class StoreIdentity:
     embedder_name: str
     embedder_dim: int
     index_kind: str
+    chunk_encoder: str = ""  # the splice adapter encoding side (its encoding_digest) chunk KV was made with; "": none
 
 
 @dataclass(frozen=True)

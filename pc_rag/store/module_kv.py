@@ -170,8 +170,22 @@ class ModuleKV:
         """Nothing to rewrite: the store holds no shards."""
         return 0
 
+    def writer_for(self, encoding: Encoding) -> ModuleKV:
+        """A writer of this store's modules (same backend, model, storage and codec) under another ``encoding``,
+        e.g. a re-encoding's before it commits; closing it would close the shared backend: let it go instead."""
+        return ModuleKV(
+            self.modules, self.manifest, self.fingerprint, encoding, dtype=self.dtype,
+            compute_dtype=self.compute_dtype, codec=self.codec, levels=self.levels, lru_bytes=0,
+        )  # fmt: skip
+
+    def use_encoding(self, encoding: Encoding) -> None:
+        """Read modules of ``encoding`` from now on (the store was re-encoded into them)."""
+        with self._lock:
+            self.encoding = encoding
+            self._lru.clear()
+
     def recode(self, *args: object, **kwargs: object) -> None:
-        msg = f"a store whose KV lives in {self.modules.url} cannot be re-encoded in place: index into a new store"
+        msg = f"a store whose KV lives in {self.modules.url} cannot be recompressed in place: index into a new store"
         raise StoreError(msg)
 
     def reload(self, manifest: Manifest) -> None:
