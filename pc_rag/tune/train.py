@@ -222,7 +222,7 @@ def train_adapter(
     seen, stale = 0, 0
     try:
         checkpoint(0)  # the starting point: adapter-free (B starts at zero), or the ``init`` adapter
-        start = "no adapter" if init is None else f"{init}, an encoding side starting as the identity"
+        start = "no adapter" if init is None else f"from {init}"
         logger.info("start (%s): first KL %.4f, mean KL %.4f", start, report.best.first_kl, report.best.mean_kl)
         bar = tqdm(total=config.epochs * len(train_pairs), desc="tune", unit="pair", disable=not progress)
         for pair in _shuffled_epochs(train_pairs, config.epochs, random.Random(config.seed)):
