@@ -127,8 +127,9 @@ def markdown(data: dict) -> str:
             trained = "shipped"
             val = ""
         else:
-            minutes = t["cost"]["train_s"] / 60 if t.get("cost") else float("nan")
-            trained = f"{t['train_pairs']} pairs, {t['cost']['train_pair_steps']} steps, {minutes:.0f} min"
+            cost = t["cost"] or {}
+            steps = cost.get("train_pair_steps", cost.get("train_count"))  # tune --dataset / tune --store reports
+            trained = f"{t['train_pairs']} pairs, {steps} steps, {cost.get('train_s', float('nan')) / 60:.0f} min"
             start, last, kept = t["val_baseline"], t["val_last"], t["val_best"]
             which = "the start" if kept == start else "last" if kept == last else "best"
             val = (f"{start['first_kl']:.3f} / {start['mean_kl']:.3f} -> {last['first_kl']:.3f} / "
