@@ -37,7 +37,7 @@ from pc_rag.kv import BufferPool, KVBuffer, SpanKV
 from pc_rag.model import LoadedModel
 from pc_rag.model_call import ModelCall
 from pc_rag.rag.adapter import SpliceAdapter
-from pc_rag.rag.chunk import Chunk
+from pc_rag.rag.chunk import Chunk, ChunkEncodingError, encoder_mismatch, mode_mismatch
 from pc_rag.rag.modes import ADAPTER_FREE_MODE, DEFAULT_MODE, RecoveryMode, resolve_mode
 from pc_rag.rag.prompt import RagPrompt
 from pc_rag.rag.query_layout import Piece, QueryLayout, layout_query
@@ -139,17 +139,8 @@ class RagEngine:
         if any(not ids for ids in token_ids):
             msg = "cannot encode an empty chunk"
             raise PCRagError(msg)
-        encoding = nullcontext
-        if encoder:
-            adapter = self.tuned.adapter()
-            if adapter.encoding_digest != encoder:
-                msg = (
-                    f"chunks are to be encoded by splice adapter encoding {encoder}, but this model's adapter "
-                    f"encodes {adapter.encoding_digest or 'nothing (it has no encoding side)'}: re-encode the "
-                    "store with `pc-rag store reencode` for the adapter the model has now"
-                )
-                raise ChunkEncodingError(msg)
-            encoding = adapter.encoding_applied
+        self.check_can_encode(encoder)
+        encoding = self.tuned.adapter().encoding_applied if encoder else nullcontext
         context = self.head_kv if conditioned else None
         start = self.canonical_start
         out: dict[int, Chunk] = {}
@@ -165,13 +156,22 @@ class RagEngine:
                 out[i] = Chunk(text, ids, kv.to(self.kv_device, self.kv_dtype), conditioned, encoder=encoder)
         return [out[i] for i in range(len(token_ids))]
 
+    def check_can_encode(self, encoder: str, store: str = "STORE") -> None:
+        """``ChunkEncodingError`` unless this model can encode chunks by ``encoder`` (a ``chunk_encoder``; non-empty:
+        its adapter's encoding side must be that one), naming the command that re-encodes ``store``."""
+        now = self.tuned.adapter().encoding_digest if encoder else ""
+        if now != encoder:
+            raise ChunkEncodingError(encoder_mismatch(encoder, now, store))
+
     def check_encoding(self, chunks: Sequence[Chunk], mode: str | RecoveryMode | None = None) -> None:
         """``ChunkEncodingError`` unless every chunk was encoded as ``mode`` reads chunks (``chunk_encoder``)."""
         resolved = self._mode(mode)
         wanted = self.chunk_encoder(resolved) if chunks else ""
         wrong = next((c for c in chunks if c.encoder != wanted), None)
         if wrong is not None:
-            raise ChunkEncodingError(_encoding_mismatch(resolved.name, wrong, wanted))
+            store = wrong.source is not None and wrong.source.startswith("store/")
+            what = f"store chunk {wrong.text[:40]!r} was" if store else "a chunk was"
+            raise ChunkEncodingError(mode_mismatch(what, wrong.encoder, wanted, resolved.name))
 
     def full_ids(self, chunks: Sequence[Chunk], question: str) -> list[int]:
         """The plain prompt: head, chunk tokens and question tokens, tokenized piecewise."""
@@ -405,22 +405,6 @@ def _wrappers(lm: LoadedModel) -> ChatWrappers:
         return chat_wrappers(lm.tokenizer)
     logger.info("model %r has no chat template: the RAG prompt is plain text and replies end at a line break", lm.name)
     return ChatWrappers.plain()
-
-
-class ChunkEncodingError(PCRagError):
-    """Chunks encoded otherwise than a mode reads them (by another splice adapter's encoding side, or by none)."""
-
-
-def _encoding_mismatch(mode: str, chunk: Chunk, wanted: str) -> str:
-    def by(encoder: str) -> str:
-        return f"splice adapter encoding {encoder}" if encoder else "the plain model"
-
-    where = f"store chunk {chunk.text[:40]!r}" if chunk.source and chunk.source.startswith("store/") else "a chunk"
-    return (
-        f"{where} was encoded by {by(chunk.encoder)}, but mode {mode!r} reads chunks encoded by {by(wanted)}: "
-        f"re-encode them with `pc-rag store reencode --store STORE --mode {mode}` (or RagEngine.encode(texts, "
-        f"mode={mode!r}))"
-    )
 
 
 @dataclass(frozen=True)

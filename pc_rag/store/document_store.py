@@ -27,7 +27,7 @@ from tqdm.auto import tqdm
 from pc_rag.errors import StoreCorruptedError, StoreError
 from pc_rag.modules.interface import ModuleStore
 from pc_rag.modules.keys import content_hash
-from pc_rag.rag.chunk import Chunk
+from pc_rag.rag.chunk import Chunk, ChunkEncodingError, mode_mismatch
 from pc_rag.rag.markers import module_ref, split_module_prompt
 from pc_rag.rag.modes import resolve_mode
 from pc_rag.rag.order import BEST_FIRST, reorder
@@ -236,10 +236,7 @@ class DocumentStore:
         with self._write_mutex:
             stamp = manifest_stamp(self.directory)
             manifest, index = read_commit(self.directory)
-            if manifest.identity != self.manifest.identity:
-                msg = (f"the store at {self.directory} was re-encoded or rebuilt with another setup since it was "
-                       "loaded; load it again")  # fmt: skip
-                raise StoreError(msg)
+            self._refuse_another_setup(manifest)
             changed = manifest.generation != self.manifest.generation
             if changed:
                 self._adopt(manifest, index)
@@ -319,9 +316,13 @@ class DocumentStore:
         """``ChunkEncodingError`` unless ``mode`` (default: the store's) reads chunks encoded the way this store's
         were (``RagEngine.chunk_encoder``), naming the command that re-encodes this store for it."""
         if problem := _encoding_problem(self.directory, self.engine, store_encoder(self), mode or self.mode):
-            from pc_rag.rag.engine import ChunkEncodingError  # loaded already: this store holds an engine
-
             raise ChunkEncodingError(problem)
+
+    def _refuse_another_setup(self, manifest: Manifest) -> None:
+        """``StoreError`` when the committed ``manifest`` has another identity than the one this object loaded."""
+        if manifest.identity != self.manifest.identity:
+            msg = f"the store at {self.directory} was re-encoded or rebuilt with another setup since it was loaded; "
+            raise StoreError(msg + "load it again")
 
     def _begin_write(self) -> None:
         """Before the first write: take the writer lock and catch up with commits made since this store loaded."""
@@ -331,10 +332,7 @@ class DocumentStore:
         try:
             if (self.directory / MANIFEST_NAME).exists():
                 manifest, index = read_commit(self.directory)
-                if manifest.identity != self.manifest.identity:
-                    msg = (f"the store at {self.directory} was re-encoded or rebuilt with another setup since it was "
-                           "loaded; load it again")  # fmt: skip
-                    raise StoreError(msg)
+                self._refuse_another_setup(manifest)
                 if manifest.generation != self.manifest.generation:
                     self._adopt(manifest, index)
         except BaseException:
@@ -388,8 +386,8 @@ class DocumentStore:
         with self._write_mutex:
             self._begin_write()
             pieces = [p for p in pieces if not self.is_current(p[0], p[1], p[2])]
-            if pieces:
-                self._check_encoder()
+            if pieces:  # before any is encoded: the model's adapter must still encode as the store's chunks were
+                self.engine.check_can_encode(store_encoder(self), shlex.quote(str(self.directory)))
             total = sum(len(p[3]) for p in pieces)
             bar = tqdm(total=total, desc="encoding chunks", unit="chunk", disable=not progress or not total)
             schedule = CommitSchedule(commit_every, commit_seconds, clock)
@@ -404,22 +402,6 @@ class DocumentStore:
                 if schedule.pending:  # the parts added since the last commit, also when a later one failed
                     self.commit()
         return ids
-
-    def _check_encoder(self) -> None:
-        """``ChunkEncodingError`` unless this engine can still encode chunks the way this store's were (its
-        model's splice adapter has the encoding side the store recorded), before any is encoded."""
-        have = store_encoder(self)
-        if not have:
-            return
-        now = self.engine.tuned.adapter().encoding_digest
-        if now != have:
-            from pc_rag.rag.engine import ChunkEncodingError  # loaded already: this store holds an engine
-
-            command = f"pc-rag store reencode --store {shlex.quote(str(self.directory))}"
-            msg = (f"the chunks of the store at {self.directory} were encoded by splice adapter encoding {have}, but "
-                   f"this model's adapter encodes {now or 'nothing (it has no encoding side)'}: new chunks would not "
-                   f"match them; re-encode the store with `{command}` first")  # fmt: skip
-            raise ChunkEncodingError(msg)
 
     def is_current(self, doc_id: str, text: str, metadata: dict[str, Any] | None = None) -> bool:
         """Whether the store holds ``doc_id`` with exactly this text and metadata (adding it again is a no-op)."""
@@ -554,13 +536,8 @@ def _encoding_problem(directory: Path, engine: RagEngine, have: str, mode: str) 
     wanted = engine.chunk_encoder(mode)
     if wanted == have:
         return None
-
-    def by(encoder: str) -> str:
-        return f"splice adapter encoding {encoder}" if encoder else "the plain model"
-
-    command = f"pc-rag store reencode --store {shlex.quote(str(directory))} --mode {shlex.quote(mode)}"
-    return (f"the chunks of the store at {directory} were encoded by {by(have)}, but mode {mode!r} reads chunks "
-            f"encoded by {by(wanted)}: re-encode them with `{command}`")  # fmt: skip
+    what = f"the chunks of the store at {directory} were"
+    return mode_mismatch(what, have, wanted, mode, shlex.quote(str(directory)))
 
 
 def _sha256(text: str) -> str:

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 from tqdm.auto import tqdm
 
 from pc_rag.kv import SpanKV
+from pc_rag.rag.chunk import encoded_by
 from pc_rag.rag.modes import resolve_mode
 from pc_rag.store.chunk_encoding import module_text
 from pc_rag.store.chunk_kv import module_encoding
@@ -43,7 +44,7 @@ class ReencodeReport:
     reused: int = 0
 
     def __str__(self) -> str:
-        by = f"splice adapter encoding {self.chunk_encoder}" if self.chunk_encoder else "the plain model"
+        by = encoded_by(self.chunk_encoder)
         how = self.encoding_mode.split("/")[-1]
         reused = f", {self.reused} found already encoded in the module store" if self.reused else ""
         return (f"re-encoded {self.chunks} chunks ({self.tokens:,} tokens) for mode {self.mode} ({how}, by {by}) "
