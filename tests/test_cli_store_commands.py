@@ -21,15 +21,19 @@ from pc_rag.store.document_store import DocumentStore
 from pc_rag.store.manifest import MANIFEST_NAME, Manifest
 
 
-@pytest.fixture
-def corpus(tmp_path, monkeypatch, tokenizer):
-    lm = tiny_model("llama", tokenizer)
+def cli_home(tmp_path, monkeypatch, lm):
+    """``tmp_path`` with two documents in ``docs/``, the CLI loading ``lm`` and the tests' tiny embedder."""
     monkeypatch.setattr(model, "load_model", lambda *args, **kwargs: lm)
     monkeypatch.setattr(document_store, "SentenceTransformerEmbedder", embedder)
     (tmp_path / "docs").mkdir()
     (tmp_path / "docs" / "eiffel.txt").write_text("The Eiffel Tower in Paris was designed by Gustave Eiffel's company.")
     (tmp_path / "docs" / "fuji.md").write_text("Mount Fuji is the highest mountain in Japan. It is a volcano.")
     return tmp_path
+
+
+@pytest.fixture
+def corpus(tmp_path, monkeypatch, tokenizer):
+    return cli_home(tmp_path, monkeypatch, tiny_model("llama", tokenizer))
 
 
 def run(capsys, *args: str) -> tuple[int, str, str]:

@@ -8,10 +8,10 @@ import json
 import pytest
 import torch
 from conftest import tiny_model
+from test_cli_store_commands import cli_home, run
 from test_document_store import DOCS, embedder, make_store
 
 from pc_rag import model
-from pc_rag.cli import main
 from pc_rag.errors import StoreError
 from pc_rag.model import LoadedModel
 from pc_rag.rag import RagEngine, RagPrompt
@@ -20,7 +20,6 @@ from pc_rag.rag.engine import ChunkEncodingError
 from pc_rag.rag.order import BEST_FIRST
 from pc_rag.rag.tuned import adapter_file
 from pc_rag.server.prompt_server import PromptServer
-from pc_rag.store import document_store
 from pc_rag.store.document_store import DocumentStore, module_text
 from pc_rag.store.manifest import MANIFEST_NAME, Manifest
 
@@ -259,20 +258,8 @@ def cli_corpus(tmp_path, monkeypatch, lm):
     """The CLI on the tiny model, whose splice adapter (with an encoding side) is installed where `pc-rag tune`
     puts it."""
     monkeypatch.setenv("PC_RAG_CACHE", str(tmp_path / "cache"))
-    adapter = encoding_adapter(lm)
-    adapter.save(tmp_path / "cache" / "tuned" / adapter_file(lm.fingerprint()))
-    monkeypatch.setattr(model, "load_model", lambda *args, **kwargs: lm)
-    monkeypatch.setattr(document_store, "SentenceTransformerEmbedder", embedder)
-    (tmp_path / "docs").mkdir()
-    (tmp_path / "docs" / "eiffel.txt").write_text("The Eiffel Tower in Paris was designed by Gustave Eiffel's company.")
-    (tmp_path / "docs" / "fuji.md").write_text("Mount Fuji is the highest mountain in Japan. It is a volcano.")
-    return tmp_path
-
-
-def run(capsys, *args: object) -> tuple[int, str, str]:
-    code = main([str(a) for a in args])
-    out, err = capsys.readouterr()
-    return code, out, err
+    encoding_adapter(lm).save(tmp_path / "cache" / "tuned" / adapter_file(lm.fingerprint()))
+    return cli_home(tmp_path, monkeypatch, lm)
 
 
 def test_cli_store_reencode(cli_corpus, capsys) -> None:
