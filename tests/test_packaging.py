@@ -1,6 +1,6 @@
 """The wheel holds every package: it is built from a copy of the sources, installed into a fresh venv (no
-network: ``--no-deps``, dependencies from the system site-packages), and every subpackage is imported from the
-installed copy, not from the checkout."""
+network: ``--no-deps``; dependencies from the running environment's site-packages, named in a ``.pth`` file), and
+every subpackage is imported from the installed copy, not from the checkout."""
 
 from __future__ import annotations
 
@@ -34,6 +34,22 @@ def _packages_in_checkout() -> set[str]:
     return found
 
 
+def _see_running_environment(python: Path) -> None:
+    """Let the venv of ``python`` import the running environment's dependencies: a ``.pth`` file names the
+    site-packages this interpreter imports from (a venv's, a conda env's or a system install's, and the user's).
+
+    ``venv --system-site-packages`` would not do: it exposes the *base* interpreter's site-packages, so under an
+    outer venv torch and the rest would be missing. Plain path lines add the directories after the venv's own
+    site-packages without running their ``.pth`` files, so the outer editable pc-rag is not installed there."""
+    site_dirs = [p for p in sys.path if Path(p).name in ("site-packages", "dist-packages") and Path(p).is_dir()]
+    purelib = subprocess.run(
+        [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        check=True, capture_output=True, text=True,
+    ).stdout.strip()  # fmt: skip
+    Path(purelib).mkdir(parents=True, exist_ok=True)
+    (Path(purelib) / "running_environment.pth").write_text("".join(f"{d}\n" for d in site_dirs))
+
+
 def test_the_wheel_installs_and_imports_every_subpackage(tmp_path: Path) -> None:
     import json
 
@@ -52,8 +68,9 @@ def test_the_wheel_installs_and_imports_every_subpackage(tmp_path: Path) -> None
                    cwd=src, check=True, capture_output=True)  # fmt: skip
     (wheel,) = (tmp_path / "dist").glob("pc_rag-*.whl")
     venv = tmp_path / "venv"
-    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)], check=True)
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
     python = venv / "bin" / "python"
+    _see_running_environment(python)
     # --ignore-installed: without it pip uninstalls the pc-rag of the running environment (the editable install the
     # rest of the suite imports) before installing into the prefix
     install = [*pip, "install", "--no-deps", "--ignore-installed", "--prefix", str(venv), str(wheel)]
