@@ -22,7 +22,7 @@ def full_request(ids: Sequence[int], params: SamplingParams, prefix: SpanKV | No
     rest is computed: what automatic prefix caching (vLLM, SGLang) gives a workload."""
     cached = prefix.length if prefix is not None else 0
     parts = [Part(prefix)] if prefix is not None else []
-    return Request(parts, ids[cached:], range(cached, len(ids)), len(ids), params)
+    return Request(parts, ids[cached:], range(cached, len(ids)), len(ids), params, context_ids=ids)
 
 
 def serve_full(

@@ -1,11 +1,12 @@
 """One decode step of a Llama-style decoder, written out: fused projections and grouped-query attention.
 
-A decode step is bandwidth-bound: every weight and the whole cache are read once for one token.
-Through transformers' modules the small int8/int4 kernels run one per projection (7 per layer) and the
+A decode step is bandwidth-bound: every weight and the whole cache are read once for one token, so the step
+computes ``STEP_ROWS`` rows for the price of one: the fed token and draft tokens to verify (speculative decoding),
+or padding. Through transformers' modules the small int8/int4 kernels run one per projection (7 per layer) and the
 attention of one query takes the generic path. Here q/k/v and gate/up each run as one fused kernel
-(``FusedKernel``), the query attends to the cache with its heads grouped, and the new keys and values
-of all layers are written into the preallocated buffer in one copy; transformers' own norm, rotary and
-projection modules are called as they are, in the order and dtypes of its forward. Models it does not describe exactly
+(``FusedKernel``), each query attends to the cache with its heads grouped, and the new keys and values are
+written into the preallocated buffer in place; transformers' own norm, rotary and projection modules are called
+as they are, in the order and dtypes of its forward. Models it does not describe exactly
 (sliding windows, partial rotary, other norms or activations) get ``None`` from ``DecodeStep.of`` and
 decode through the model's forward. This module knows nothing about prompts or modules.
 """
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TypeVar
 
 import torch
@@ -26,7 +27,7 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from pc_rag.attention import FLASH_CPU
 from pc_rag.kv import BufferCache
-from pc_rag.weights import FusedKernel
+from pc_rag.weights import KERNEL_ROWS, FusedKernel
 
 _ARCHITECTURES = {"llama", "mistral", "qwen2", "qwen3"}  # rotate-half RoPE on the whole head, RMSNorm, SiLU MLP
 _BUILT: weakref.WeakKeyDictionary[nn.Module, dict[type, object]] = weakref.WeakKeyDictionary()
@@ -91,29 +92,26 @@ class FusedLayer:
             gate, up = mlp.gate_proj(h), mlp.up_proj(h)
         return x + mlp.down_proj(F.silu(gate) * up)
 
-    def __call__(
-        self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], keys: torch.Tensor, values: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The layer's output for ``x`` [1, 1, hidden] after the cached ``keys``/``values`` [1, H_kv, S, D], and
-        the new token's key and value [1, H_kv, 1, D] (the caller writes them into the cache)."""
-        q, k, v = self.project(x, rotary)
-        attended = decode_attention(q, k, v, keys, values, self.layer.self_attn.scaling)
-        return self.finish(x, attended), k, v
+
+STEP_ROWS = KERNEL_ROWS
+"""Rows every decode step computes: the fed token and up to ``STEP_ROWS - 1`` draft tokens, padded. A GEMM row's
+bits depend on the GEMM's shape (on the CPU 1 row and 4 rows take different kernels), never on the other rows'
+values, so a step of one token and a verify of drafts give each row the same bits: speculation is exact."""
 
 
 class DecodeStep:
-    """``step(token, position, cache)``: the next token's logits [V] after ``token`` at ``position``.
+    """``step(tokens, position, cache)``: the logits [T, V] after each of ``tokens`` (T <= ``STEP_ROWS``), the
+    first at ``position``; they are written after the cache's tokens (the cache advances by T).
 
-    ``compiled`` runs the step through ``torch.compile`` with a symbolic cache length: one graph for every
-    context length, in which the norms, rotary, activations and residuals fuse into a few loops. Experimental:
-    equal to the eager step on tiny models, but on the bundled SmolLM2 tracing did not finish in 15 minutes.
+    One token (plain decoding) and a token followed by drafts (speculative decoding) run the same shapes: the rows
+    are padded to ``STEP_ROWS`` and row ``t`` attends to the cache and rows ``< t`` through the same
+    ``decode_attention`` call as a one-token step at that length, so a row's logits are bit-identical either way.
     """
 
-    def __init__(self, model: PreTrainedModel, compiled: bool = False) -> None:
+    def __init__(self, model: PreTrainedModel) -> None:
         self._model = model
         self._decoder = model.get_decoder()
         self._layers = [FusedLayer(layer) for layer in self._decoder.layers]
-        self._run = torch.compile(self._logits, dynamic=True) if compiled else self._logits
 
     @classmethod
     def of(cls, model: PreTrainedModel) -> DecodeStep | None:
@@ -125,38 +123,56 @@ class DecodeStep:
         """Whether the step can write into ``cache``: one preallocated buffer, as ``KVBuffer.cache`` makes."""
         return isinstance(cache, BufferCache) and cache.buffer.keys.shape[1] == 1
 
-    def __call__(self, token: int, position: int, cache: BufferCache) -> torch.Tensor:
+    def reads_modules(self) -> bool:
+        """Whether every linear layer runs as its module (no fused int8/int4 kernel): hooks and merged adapters
+        on the modules then act inside the step as in the model's forward."""
+        return all(layer.qkv is None and layer.gate_up is None for layer in self._layers)
+
+    def __call__(self, tokens: Sequence[int], position: int, cache: BufferCache) -> torch.Tensor:
+        count = len(tokens)
+        assert 0 < count <= STEP_ROWS, f"a step takes 1 to {STEP_ROWS} tokens, got {count}"
         length = cache.get_seq_length()
-        # a spare slot: the cached keys stay a strict prefix of the buffer, so a compiled graph never
-        # specializes on a full one (a recompile costs as much as the first compile)
-        buffer = cache.gathered(room=2)
+        buffer = cache.gathered(room=count)
         device = buffer.keys.device
-        logits, keys, values = self._run(
-            torch.tensor([[token]], device=device), torch.tensor([[position]], device=device),
-            buffer.keys, buffer.values, length,
+        padded = [*tokens, *[tokens[0]] * (STEP_ROWS - count)]  # padding rows repeat row 0, never written back
+        positions = [*range(position, position + count), *[position] * (STEP_ROWS - count)]
+        logits = self._logits(
+            torch.tensor(padded, device=device)[:, None], torch.tensor(positions, device=device)[:, None],
+            buffer.keys, buffer.values, length, count,
         )  # fmt: skip
-        buffer.keys[:, :, :, length : length + 1] = keys
-        buffer.values[:, :, :, length : length + 1] = values
         for layer in cache.layers:
-            layer.advance(1)
+            layer.advance(count)
         return logits
 
     def _logits(
-        self, token: torch.Tensor, position: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, length: int
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Logits [V] after ``token``, and its keys and values [L, 1, H_kv, 1, D]; reads the first ``length``
-        tokens of the buffers ``keys``/``values`` [L, 1, H_kv, capacity, D] and writes nothing (a compiled graph
-        that mutated them would copy them whole)."""
+        self, tokens: torch.Tensor, positions: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, length: int,
+        count: int,
+    ) -> torch.Tensor:  # fmt: skip
+        """Logits [count, V] after the first ``count`` of ``tokens`` [STEP_ROWS, 1]; writes their keys and values
+        into ``keys``/``values`` [L, 1, H_kv, capacity, D] at slots ``length + t``."""
         decoder = self._decoder
-        x = decoder.embed_tokens(token)
-        rotary = decoder.rotary_emb(x, position)
-        new_keys, new_values = [], []
+        x = decoder.embed_tokens(tokens)  # [STEP_ROWS, 1, hidden]
+        rotary = decoder.rotary_emb(x, positions)
         for index, layer in enumerate(self._layers):
-            x, k, v = layer(x, rotary, keys[index, :, :, :length], values[index, :, :, :length])
-            new_keys.append(k)
-            new_values.append(v)
-        logits = self._model.lm_head(rms_norm(decoder.norm, x))[0, -1]
-        return logits, torch.stack(new_keys), torch.stack(new_values)
+            q, k, v = layer.project(x, rotary)  # [STEP_ROWS, H(_kv), 1, D]
+            layer_keys, layer_values = keys[index], values[index]  # [1, H_kv, capacity, D]
+            layer_keys[0, :, length : length + count] = k[:count, :, 0].transpose(0, 1)
+            layer_values[0, :, length : length + count] = v[:count, :, 0].transpose(0, 1)
+            scale = layer.layer.self_attn.scaling
+            rows = [  # row t as a one-token step after the cache and rows < t
+                decode_attention(
+                    q[t : t + 1],
+                    k[t : t + 1],
+                    v[t : t + 1],
+                    layer_keys[:, :, : length + t],
+                    layer_values[:, :, : length + t],
+                    scale,
+                )
+                for t in range(count)
+            ]
+            rows += rows[:1] * (STEP_ROWS - count)
+            x = layer.finish(x, torch.cat(rows))
+        return self._model.lm_head(rms_norm(decoder.norm, x))[:count, -1]
 
 
 def decode_attention(

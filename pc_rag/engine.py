@@ -201,11 +201,7 @@ class PromptCache:
 
     def full_prompt_ids(self, prompt: Prompt | str) -> list[int]:
         """The plain token sequence equivalent to ``prompt``: spans and computed tokens in position order."""
-        planned = self._planned(prompt)
-        spans = [planned.layout.spans[n] for n in planned.plan.spans]
-        tokens = [(p, i) for span in spans for i, p in zip(span.token_ids, span.positions, strict=True)]
-        tokens += list(zip(planned.plan.new_positions, planned.plan.new_ids, strict=True))
-        return [i for _, i in sorted(tokens, key=lambda t: t[0])]
+        return _prompt_ids(self._planned(prompt))
 
     def generate(
         self, prompt: Prompt | str, params: SamplingParams | None = None, **kwargs: object
@@ -225,7 +221,10 @@ class PromptCache:
         planned = self._planned(prompt)
         plan = planned.plan
         parts = [Part(kv, share=key) for kv, key in zip(planned.parts, planned.share_keys, strict=True)]
-        return Request(parts, plan.new_ids, plan.new_positions, plan.next_position, params, watch=watch)
+        context = _prompt_ids(planned)
+        return Request(
+            parts, plan.new_ids, plan.new_positions, plan.next_position, params, watch=watch, context_ids=context
+        )
 
     def serve(self, request: Request) -> ReplyStream:
         """Serve a ``Request`` of this engine alone (``serving.execute``); a ``Scheduler`` batches them instead."""
@@ -261,3 +260,11 @@ def _empty_kv(lm: LoadedModel, dtype: torch.dtype) -> SpanKV:
     layers, heads, head_dim = kv_shape(lm.model)
     empty = torch.empty(layers, heads, 0, head_dim, dtype=dtype)
     return SpanKV(empty, empty.clone(), torch.empty(0, dtype=torch.long))
+
+
+def _prompt_ids(planned: _Planned) -> list[int]:
+    """The plain token sequence of a planned prompt: spans and computed tokens in position order."""
+    spans = [planned.layout.spans[n] for n in planned.plan.spans]
+    tokens = [(p, i) for span in spans for i, p in zip(span.token_ids, span.positions, strict=True)]
+    tokens += list(zip(planned.plan.new_positions, planned.plan.new_ids, strict=True))
+    return [i for _, i in sorted(tokens, key=lambda t: t[0])]

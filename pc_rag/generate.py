@@ -16,8 +16,10 @@ from tokenizers.decoders import DecodeStream
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from transformers.cache_utils import Cache
 
+from pc_rag.decode_step import STEP_ROWS
 from pc_rag.model_call import PLAIN, ModelCall, with_cache
 from pc_rag.runtime.model_runner import ModelRunner
+from pc_rag.runtime.speculation import PromptLookup, accept
 
 
 @dataclass(frozen=True)
@@ -25,6 +27,9 @@ class SamplingParams:
     """Decoding settings. ``temperature == 0`` is greedy; ``top_k == 0`` and ``top_p == 1`` disable those filters.
 
     ``keep_logits``: the result keeps the logits of the first that many decoding steps (fidelity metrics).
+    ``speculative``: verify drafts looked up in the prompt with each decode step (``runtime.speculation``) where
+    the fused step runs; greedy output is bit-identical to decoding without it, sampled output equally
+    distributed.
     """
 
     max_new_tokens: int = 64
@@ -34,6 +39,7 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     keep_logits: int = 0
+    speculative: bool = True
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -44,13 +50,28 @@ class SamplingParams:
 
 @dataclass
 class GenerationStats:
-    """Timings in milliseconds and token counts of one request."""
+    """Timings in milliseconds and token counts of one request; ``decode_steps`` forwards ran after the first
+    token, ``drafted`` draft tokens were verified in them and ``accepted`` kept."""
 
     ttft_ms: float
     total_ms: float
     cached_tokens: int
     computed_tokens: int
     new_tokens: int
+    decode_steps: int = 0
+    drafted: int = 0
+    accepted: int = 0
+
+    @property
+    def decode_tokens_per_s(self) -> float | None:
+        """Tokens after the first over the time after the first token (None with fewer than two tokens)."""
+        seconds = (self.total_ms - self.ttft_ms) / 1000
+        return (self.new_tokens - 1) / seconds if self.new_tokens > 1 and seconds > 0 else None
+
+    @property
+    def tokens_per_step(self) -> float | None:
+        """Tokens each decode step produced (1 without speculation; 1 + accepted drafts with it)."""
+        return (self.new_tokens - 1) / self.decode_steps if self.decode_steps else None
 
 
 @dataclass
@@ -73,6 +94,11 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     """Pick the next token from ``logits`` [V] under ``params``."""
     if params.temperature == 0:
         return int(logits.argmax())
+    return int(torch.multinomial(probabilities(logits, params).cpu(), 1, generator=generator))
+
+
+def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The distribution [V] that sampling with ``params`` (temperature > 0) draws from after ``logits`` [V]."""
     logits = logits.float() / params.temperature
     if params.top_k:
         kth = torch.topk(logits, min(params.top_k, logits.shape[-1])).values[-1]
@@ -83,7 +109,7 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
         outside = sorted_probs.cumsum(-1) - sorted_probs > params.top_p  # keep the smallest set reaching top_p
         sorted_probs[outside] = 0
         probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
-    return int(torch.multinomial(probs.cpu(), 1, generator=generator))
+    return probs
 
 
 def eos_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:
@@ -98,14 +124,16 @@ def eos_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> froze
 
 
 class DecodedTokens(Iterator[int]):
-    """Token ids as they are decoded; ``step_logits`` collects the logits of the first ``keep_logits`` steps.
+    """Token ids as they are decoded; ``step_logits`` collects the logits of the first ``keep_logits`` tokens, and
+    ``steps``, ``drafted``, ``accepted`` count decode forwards and draft tokens (``GenerationStats``).
 
     The logits are kept as they come (references, no copy): ``run_generation`` converts them after timing.
     """
 
-    def __init__(self, tokens: Iterator[int], step_logits: list[torch.Tensor]) -> None:
-        self._tokens = tokens
+    def __init__(self, step_logits: list[torch.Tensor]) -> None:
+        self._tokens: Iterator[int] = iter(())
         self.step_logits = step_logits
+        self.steps = self.drafted = self.accepted = 0
 
     def __next__(self) -> int:
         return next(self._tokens)
@@ -119,42 +147,79 @@ def decode_tokens(
     params: SamplingParams,
     stop_ids: frozenset[int],
     call: ModelCall = PLAIN,
+    context_ids: Sequence[int] = (),
 ) -> DecodedTokens:
-    """Generated token ids (EOS excluded) until EOS or ``max_new_tokens``; each step's forward runs through ``call``,
-    or, for a plain call on a model it describes, through the model runner (the fused ``DecodeStep`` on the CPU,
-    a replayed CUDA graph on a GPU)."""
-    kept: list[torch.Tensor] = []
+    """Generated token ids (EOS excluded) until EOS or ``max_new_tokens``.
+
+    Where the model runner's fused step serves ``cache`` under ``call`` (``ModelRunner.serves``), each step runs
+    through it, inside ``call``'s context; with ``params.speculative`` and a runner that verifies drafts, the
+    step also verifies drafts looked up in ``context_ids`` (the prompt's tokens) and the answer so far
+    (``runtime.speculation``). Elsewhere each step's forward runs through ``call``."""
+    decoded = DecodedTokens([])
     runner = ModelRunner.of(model)
-    fused = runner.decode if call.is_plain and runner.serves(cache) else None
+    fused = runner.serves(cache, call)
+    drafts = params.speculative and fused and runner.speculates
+
+    def keep(step: int, logits: torch.Tensor) -> None:
+        if step < params.keep_logits:
+            decoded.step_logits.append(logits)  # logits [V] given the prompt and the tokens of steps < step
+
+    @torch.inference_mode()
+    def forward(tokens: list[int], position: int) -> torch.Tensor:
+        decoded.steps += 1
+        if fused:
+            with call.context():
+                if drafts:
+                    return runner.verify(tokens, position, cache)
+                return runner.decode(tokens[0], position, cache)[None]
+        out = call(
+            model,
+            input_ids=torch.tensor([tokens], device=first_logits.device),
+            position_ids=torch.tensor([[position]], device=first_logits.device),
+            **with_cache(cache),
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        return out.logits[0, -1:]
 
     @torch.inference_mode()
     def steps() -> Iterator[int]:
         generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
-        device = first_logits.device
-        logits = first_logits
-        for step in range(params.max_new_tokens):
-            if step < params.keep_logits:
-                kept.append(logits)  # logits [V] given the prompt and the tokens of steps < step
-            token = sample(logits, params, generator)
-            if token in stop_ids:
-                return
-            yield token
-            if step + 1 == params.max_new_tokens:
-                return
-            if fused is not None:
-                logits = fused(token, next_position + step, cache)
+        lookup = PromptLookup(context_ids) if drafts else None
+        keep(0, first_logits)
+        picked = [sample(first_logits, params, generator)]
+        emitted = 0
+        while True:
+            for token in picked:
+                if token in stop_ids:
+                    return
+                yield token
+                emitted += 1
+                if emitted == params.max_new_tokens:
+                    return
+                if lookup is not None:
+                    lookup.append(token)
+            fed = picked[-1]  # the one token of the step not yet in the cache
+            proposed = lookup.propose(min(STEP_ROWS - 1, params.max_new_tokens - emitted - 1)) if lookup else []
+            logits = forward([fed, *proposed], next_position + emitted - 1)
+            if not proposed:
+                keep(emitted, logits[0])
+                picked = [sample(logits[0], params, generator)]
                 continue
-            out = call(
-                model,
-                input_ids=torch.tensor([[token]], device=device),
-                position_ids=torch.tensor([[next_position + step]], device=device),
-                **with_cache(cache),
-                use_cache=True,
-                logits_to_keep=1,
+            picked = accept(
+                logits, proposed, params.temperature == 0, lambda row: probabilities(row, params), generator
             )
-            logits = out.logits[0, -1]
+            for t in range(len(picked)):
+                keep(emitted + t, logits[t])
+            rejected = len(proposed) - (len(picked) - 1)
+            decoded.drafted += len(proposed)
+            decoded.accepted += len(proposed) - rejected
+            if rejected:
+                for layer in cache.layers:
+                    layer.crop(-rejected)
 
-    return DecodedTokens(steps(), kept)
+    decoded._tokens = steps()
+    return decoded
 
 
 class IncrementalDetokenizer:
@@ -280,7 +345,8 @@ def run_generation(
         pieces.append(piece)
         yield piece
     total = watch.elapsed_ms()
-    stats = GenerationStats(watch.first if watch.first is not None else total, total, cached, computed, len(ids))
+    first = watch.first if watch.first is not None else total
+    stats = GenerationStats(first, total, cached, computed, len(ids), tokens.steps, tokens.drafted, tokens.accepted)
     steps = torch.stack([s.detach().float().cpu() for s in tokens.step_logits]) if tokens.step_logits else None
     yield GenerationResult("".join(pieces), ids, stats, logits.detach().float().cpu(), steps)
 

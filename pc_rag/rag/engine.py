@@ -331,6 +331,7 @@ class RagEngine:
         return Request(
             [head_part, *moved], tail, plan.new_positions, plan.next_position, params, refresh, calls,
             own_tokens=head if pieces.head_kv is None else 0, reference_ids=reference_ids, watch=watch,
+            context_ids=[*pieces.head[1], *ids, *tail],
         )  # fmt: skip
 
     def _chunk_part(self, chunk: Chunk, start: int) -> Part:

@@ -100,7 +100,9 @@ def execute(
     try:
         later = request.calls.later(done.recomputed)
         params = request.params
-        tokens = decode_tokens(lm.model, done.cache, done.logits, request.next_position, params, stop_ids, later)
+        tokens = decode_tokens(
+            lm.model, done.cache, done.logits, request.next_position, params, stop_ids, later, request.context_ids
+        )
         stream = run_generation(tokens, lm.tokenizer, params, request.watch, done.logits, *done.counts)
         if request.reference_ids is not None:
             forced = (done.length, request.next_position, request.reference_ids)

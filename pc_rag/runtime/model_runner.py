@@ -32,6 +32,7 @@ from transformers import PreTrainedModel
 from pc_rag.assemble import forward_new_tokens
 from pc_rag.decode_step import DecodeStep, FusedLayer, built_once, rms_norm
 from pc_rag.kv import BufferCache, KVBuffer
+from pc_rag.model_call import PLAIN, ModelCall
 from pc_rag.weights import KERNEL_ROWS
 
 logger = logging.getLogger(__name__)
@@ -192,9 +193,7 @@ class ModelRunner:
     def decode(self, token: int, position: int, cache: BufferCache) -> torch.Tensor:
         """The logits [V] after ``token`` at ``position``, written after the cache's tokens (the cache advances)."""
         if not self.graphs:
-            step = DecodeStep.of(self.model)
-            assert step is not None, "decode needs a model DecodeStep describes (see DecodeStep.serves)"
-            return step(token, position, cache)
+            return self.verify([token], position, cache)[0]
         length = cache.get_seq_length()
         buffer = cache.gathered(room=1)
         logits = self._graph(buffer, 1, length).run([token], [position], length)
@@ -202,9 +201,32 @@ class ModelRunner:
             layer.advance(1)
         return logits.clone()
 
-    def serves(self, cache: object) -> bool:
-        """Whether ``decode`` can step ``cache``: a batch-one buffer cache of a model the fused step describes."""
-        return isinstance(cache, BufferCache) and DecodeStep.serves(cache) and self._static is not None
+    @torch.inference_mode()
+    def verify(self, tokens: Sequence[int], position: int, cache: BufferCache) -> torch.Tensor:
+        """The logits [T, V] after each of ``tokens`` (a fed token, then drafts; T <= ``STEP_ROWS``) from
+        ``position``, all written after the cache's tokens (the cache advances by T; the caller crops rejected
+        drafts). Row t equals ``decode`` of ``tokens[t]`` after ``tokens[:t]``, bit for bit (``DecodeStep``)."""
+        assert self.speculates, "verify runs the CPU's DecodeStep (CUDA graphs decode one token)"
+        step = DecodeStep.of(self.model)
+        assert step is not None, "decode needs a model DecodeStep describes (see DecodeStep.serves)"
+        return step(tokens, position, cache)
+
+    @property
+    def speculates(self) -> bool:
+        """Whether ``verify`` runs: drafts cost nothing here (every step computes ``STEP_ROWS`` rows). Not under CUDA
+        graphs yet, whose decode bucket is one token."""
+        return not self.graphs and self._static is not None
+
+    def serves(self, cache: object, call: ModelCall = PLAIN) -> bool:
+        """Whether ``decode`` can step ``cache`` under ``call``: a batch-one buffer cache of a model the fused step
+        describes, and a call that adds no attention kwargs. A call's context (an adapter applied) is honoured
+        where every linear layer runs as its module; CUDA graphs, captured once, take plain calls only."""
+        if not (isinstance(cache, BufferCache) and DecodeStep.serves(cache) and self._static is not None):
+            return False
+        if call.is_plain:
+            return True
+        step = DecodeStep.of(self.model)
+        return not call.kwargs and not self.graphs and step is not None and step.reads_modules()
 
     def _graph(self, buffer: KVBuffer, bucket: int, length: int) -> GraphedForward:
         """The graph of ``bucket`` over ``buffer`` (captured on first use, when ``length`` tokens are cached)."""

@@ -70,6 +70,8 @@ class Request:
     computed for this request alone (a preamble of its own), reported as computed rather than cached.
     ``reference_ids``: after the answer, score this continuation teacher-forced (fidelity metrics).
     ``watch`` starts when the request is built, so work done building it counts in its TTFT.
+    ``context_ids``: the prompt's token ids in order (spliced parts and new tokens), where speculative decoding
+    looks up its drafts; empty: drafts come from the answer alone.
     """
 
     parts: Sequence[Part]
@@ -82,6 +84,7 @@ class Request:
     own_tokens: int = 0
     reference_ids: Sequence[int] | None = None
     watch: Stopwatch = field(default_factory=Stopwatch)
+    context_ids: Sequence[int] = ()
 
     @property
     def spliced(self) -> int:

@@ -1,0 +1,168 @@
+"""Speculative decoding from the prompt: a verify row equals a one-token step bit for bit, greedy output equals
+plain decoding, and sampled output keeps plain sampling's distribution."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+import pytest
+import torch
+from conftest import TINY_CONFIGS, tiny_model
+from test_weights import tiny_in
+
+from pc_rag.assemble import forward_new_tokens
+from pc_rag.decode_step import STEP_ROWS
+from pc_rag.engine import PromptCache
+from pc_rag.generate import SamplingParams, probabilities
+from pc_rag.kv import allocate
+from pc_rag.pml.nodes import Import, Module, Prompt, Schema, Text
+from pc_rag.runtime.model_runner import ModelRunner
+from pc_rag.runtime.speculation import PromptLookup, accept
+
+DESCRIBED = ["llama", "llama3-scaled", "mistral", "qwen2", "qwen3"]
+
+
+def test_lookup_proposes_what_followed_the_latest_occurrence_of_the_longest_suffix() -> None:
+    lookup = PromptLookup([1, 2, 3, 4, 5, 9, 2, 3, 7, 8, 1])
+    lookup.append(2)
+    lookup.append(3)  # the text ends ... 1 2 3: the 3-gram occurred at the start, followed by 4 5 9
+    assert lookup.propose(3) == [4, 5, 9]
+    lookup.append(6)  # "2 3 6" and "3 6" never occurred, nor "6"
+    assert lookup.propose(3) == []
+    lookup.append(2)  # "6 2" never occurred; "2" last occurred before "2 3" at index 12... latest earlier: index 12
+    assert lookup.propose(2) == [3, 6]
+    assert lookup.propose(0) == []
+
+
+def test_lookup_grows_past_its_room() -> None:
+    lookup = PromptLookup([5, 6], room=1)
+    for token in (7, 5, 6):
+        lookup.append(token)
+    assert lookup.propose(2) == [7, 5]
+
+
+def _prefilled(lm, prompt: list[int]):
+    buffer = allocate(lm.model, len(prompt) + 2 * STEP_ROWS)
+    _, cache = forward_new_tokens(lm.model, buffer, 0, prompt, range(len(prompt)))
+    return buffer, cache
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8", "int4"])
+@pytest.mark.parametrize("arch", DESCRIBED)
+def test_a_verify_row_equals_the_one_token_step_bit_for_bit(tokenizer, arch: str, dtype: str) -> None:
+    lm = tiny_in(arch, dtype, tokenizer)
+    runner = ModelRunner.of(lm.model)
+    prompt = tokenizer("The tower stands in Paris and is tall.", add_special_tokens=False)["input_ids"]
+    tokens = [5, 77, 301, 9][:STEP_ROWS]
+    plain_buffer, plain_cache = _prefilled(lm, prompt)
+    spec_buffer, spec_cache = _prefilled(lm, prompt)
+    with torch.inference_mode():
+        one_by_one = torch.stack([runner.decode(t, len(prompt) + i, plain_cache) for i, t in enumerate(tokens)])
+        verified = runner.verify(tokens, len(prompt), spec_cache)
+    assert torch.equal(verified, one_by_one)
+    length = len(prompt) + len(tokens)
+    assert plain_cache.get_seq_length() == spec_cache.get_seq_length() == length
+    assert torch.equal(plain_buffer.keys[..., :length, :], spec_buffer.keys[..., :length, :])
+    assert torch.equal(plain_buffer.values[..., :length, :], spec_buffer.values[..., :length, :])
+
+
+def _echo_prompt(tokenizer) -> tuple[PromptCache, Prompt]:
+    """A prompt whose text repeats, so that drafts looked up in it are often right."""
+    pc = PromptCache(tiny_model("llama", tokenizer))
+    text = "The red tower stands in Paris. The red tower stands in Paris. The red tower stands in"
+    pc.add_schema(Schema("s", (Module("doc", (Text(text),)),)))
+    return pc, Prompt("s", (Import("doc"), Text(" Paris. The red tower")))
+
+
+@pytest.mark.parametrize("arch", DESCRIBED)
+def test_greedy_output_with_speculation_is_the_plain_output(tokenizer, arch: str) -> None:
+    pc = PromptCache(tiny_model(arch, tokenizer))
+    text = "The red tower stands in Paris. The red tower stands in Paris. The red tower stands in"
+    pc.add_schema(Schema("s", (Module("doc", (Text(text),)),)))
+    accepted = 0
+    for question in (" Paris. The red tower", " Where is it?", " tower stands"):
+        prompt = Prompt("s", (Import("doc"), Text(question)))
+        plain = pc.generate(prompt, max_new_tokens=40, keep_logits=40, speculative=False)
+        fast = pc.generate(prompt, max_new_tokens=40, keep_logits=40, speculative=True)
+        assert fast.token_ids == plain.token_ids and fast.text == plain.text
+        assert fast.step_logits is not None and plain.step_logits is not None
+        assert torch.equal(fast.step_logits, plain.step_logits)  # each token picked from the same bits
+        assert plain.stats.decode_steps == len(plain.token_ids) - 1 and plain.stats.drafted == 0
+        assert fast.stats.decode_steps <= plain.stats.decode_steps
+        accepted += fast.stats.accepted
+    assert accepted > 0  # drafts were kept: the test compared real speculation
+
+
+def test_int8_verifies_drafts_and_undescribed_models_decode_one_token_per_forward(tokenizer, monkeypatch) -> None:
+    monkeypatch.setattr(PromptLookup, "propose", lambda self, count: [7, 8, 9][:count])  # a draft every step
+    schema = Schema("s", (Module("doc", (Text("The red tower. The red tower. The red tower."),)),))
+    prompt = Prompt("s", (Import("doc"), Text(" The red")))
+    quantized = PromptCache(tiny_in("llama", "int8", tokenizer))
+    quantized.add_schema(schema)
+    assert quantized.generate(prompt, max_new_tokens=12).stats.drafted > 0
+    undescribed = PromptCache(tiny_model(sorted(set(TINY_CONFIGS) - set(DESCRIBED))[0], tokenizer))
+    undescribed.add_schema(schema)
+    plain = undescribed.generate(prompt, max_new_tokens=8)
+    assert plain.stats.drafted == 0 and plain.stats.decode_steps == len(plain.token_ids) - 1
+
+
+def test_the_sampling_rule_keeps_each_tokens_distribution() -> None:
+    """Point-mass drafts under the speculative sampling rule: the first token is distributed as row 0, and the
+    second, given that the first was the draft, as row 1 (chi-square against the exact probabilities)."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 6, generator=g) * 1.5
+    params = SamplingParams(temperature=1.0)
+    p = [probabilities(row, params) for row in logits]
+    drafts = [int(p[0].argmax()), 2]  # a likely draft, then an arbitrary one
+    first: Counter[int] = Counter()
+    second: Counter[int] = Counter()
+    trials = 20_000
+    for _ in range(trials):
+        out = accept(logits, drafts, False, lambda row: probabilities(row, params), g)
+        first[out[0]] += 1
+        if out[0] == drafts[0]:
+            second[out[1]] += 1
+    assert _chi_square_p(first, p[0], trials) > 1e-3
+    assert _chi_square_p(second, p[1], sum(second.values())) > 1e-3
+
+
+def _chi_square_p(counts: Counter[int], p: torch.Tensor, n: int) -> float:
+    """The p-value of a chi-square goodness-of-fit test of ``counts`` against ``p`` (Wilson-Hilferty)."""
+    stat = sum((counts.get(k, 0) - n * float(pk)) ** 2 / (n * float(pk)) for k, pk in enumerate(p) if pk > 0)
+    dof = int((p > 0).sum()) - 1
+    z = ((stat / dof) ** (1 / 3) - (1 - 2 / (9 * dof))) / math.sqrt(2 / (9 * dof))
+    return 0.5 * math.erfc(z / math.sqrt(2))
+
+
+def test_sampled_generation_on_a_tiny_model_keeps_plain_samplings_distribution(tokenizer, monkeypatch) -> None:
+    """At temperature 1 on a tiny model (its head sharpened so a few tokens carry the mass), the first two tokens
+    with speculation and without are samples of one distribution (a two-sample chi-square test). The drafts are
+    the greedy continuation, so they are kept often and rejected often."""
+    pc, prompt = _echo_prompt(tokenizer)
+    with torch.no_grad():
+        pc.lm.model.lm_head.weight.mul_(3.0)  # tied to the embeddings: a peaked, still random, distribution
+    greedy = pc.generate(prompt, max_new_tokens=4, speculative=False).token_ids
+    init = PromptLookup.__init__
+
+    def remember_start(self: PromptLookup, context: list[int], *args: object) -> None:
+        init(self, context, *args)
+        self.start = len(context)
+
+    monkeypatch.setattr(PromptLookup, "__init__", remember_start)
+    monkeypatch.setattr(PromptLookup, "propose", lambda self, count: greedy[self._length - self.start :][:count])
+    runs = 200
+    samples: dict[bool, Counter[tuple[int, ...]]] = {True: Counter(), False: Counter()}
+    drafted = accepted = 0
+    for speculative in (False, True):
+        for seed in range(runs):
+            result = pc.generate(prompt, max_new_tokens=3, temperature=1.0, seed=seed, speculative=speculative)
+            samples[speculative][tuple(result.token_ids[:2])] += 1
+            drafted, accepted = drafted + result.stats.drafted, accepted + result.stats.accepted
+    assert 0 < accepted < drafted  # drafts were both kept and rejected
+    keys = set(samples[True]) | set(samples[False])
+    common = [k for k in keys if samples[True][k] + samples[False][k] >= 10]
+    stat = sum((samples[True][k] - samples[False][k]) ** 2 / (samples[True][k] + samples[False][k]) for k in common)
+    dof = max(len(common) - 1, 1)
+    z = ((stat / dof) ** (1 / 3) - (1 - 2 / (9 * dof))) / math.sqrt(2 / (9 * dof))
+    assert 0.5 * math.erfc(z / math.sqrt(2)) > 1e-3, f"chi-square {stat:.1f} on {dof} degrees of freedom"
