@@ -70,8 +70,8 @@ class GenerationStats:
 
     @property
     def tokens_per_step(self) -> float | None:
-        """Tokens each decode step produced (1 without speculation; 1 + accepted drafts with it)."""
-        return (self.new_tokens - 1) / self.decode_steps if self.decode_steps else None
+        """Tokens each decode step produced: its own and the drafts it kept (exactly 1 without speculation)."""
+        return 1 + self.accepted / self.decode_steps if self.decode_steps else None
 
 
 @dataclass

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -16,6 +17,7 @@ from pc_rag.errors import PCRagError
 if TYPE_CHECKING:  # the model and the codec load only when a benchmark runs
     from pc_rag.codec import CacheGenCodec
     from pc_rag.model import LoadedModel
+    from pc_rag.rag import RagEngine
 
 
 def add_parser(commands: argparse._SubParsersAction, positive: Callable[[str], int]) -> None:
@@ -31,6 +33,12 @@ def add_parser(commands: argparse._SubParsersAction, positive: Callable[[str], i
     peers.add_argument("--tokens", default="1024,2048,4096,8000", help="comma-separated prompt lengths")
     peers.add_argument("--runs", type=int, default=3, help="timed runs per peer and length (median is reported)")
     peers.add_argument("--json", type=Path, default=None, help="write the rows as JSON here")
+    peers.add_argument("--answers", action="store_true",
+                       help="time whole answers (up to 64 tokens, to EOS, the ask prompt, real sample questions, "
+                            "speculation on and off, llama.cpp's prompt lookup) instead of TTFT and a decode formula")
+    peers.add_argument("--questions", type=positive, default=5, help="with --answers: sample questions per length")
+    peers.add_argument("--busy", default="1,2",
+                       help="with --answers: counts of busy loops to run beside the default mode's first answer")
     encode = bench_kinds.add_parser("encode", help="store encoding throughput against the raw batched forward")
     encode.add_argument("--runs", type=positive, default=3, help="timed runs per path (median is reported)")
     encode.add_argument("--json", type=Path, default=None, help="write the rows as JSON here")
@@ -98,6 +106,12 @@ def run_bench(args: argparse.Namespace, lm: LoadedModel) -> None:
         print_table(rows)
         if args.plot:
             plot_ttft(rows, args.plot)
+    elif args.kind == "peers" and args.answers:
+        from pc_rag.model import DEFAULT_MODEL, gguf_file
+
+        gguf = gguf_file(args.model or DEFAULT_MODEL)
+        _run_answers(args, RagEngine(lm), str(gguf) if gguf else None)
+        return
     elif args.kind == "peers":
         from pc_rag.bench.peers import format_rows, run_peers
         from pc_rag.model import DEFAULT_MODEL, gguf_file, load_model
@@ -158,6 +172,29 @@ def run_bench(args: argparse.Namespace, lm: LoadedModel) -> None:
         print(format_rows(rows))
     if args.json:
         write_json(rows, args.json)
+
+
+def _run_answers(args: argparse.Namespace, engine: RagEngine, gguf: str | None) -> None:
+    """``bench peers --answers``: the rows as they are timed, then the summary and the gates; ``--json`` writes
+    rows, summary, gates, machine and commit."""
+    from dataclasses import asdict
+
+    from pc_rag.bench.answer_time import gates, machine, run_answers, summary
+
+    busy = [int(b) for b in args.busy.split(",") if b.strip()]
+    rows = run_answers(engine, _lengths(args.tokens), args.questions, args.runs, gguf, busy)
+    table, checks = summary(rows), gates(rows, engine.default_mode)
+    for line in table:
+        print(json.dumps(line))
+    for check in checks:
+        print(f"{'met' if check['met'] else 'NOT MET':>7}  {check['name']}: {check['value']} {check['op']} "
+              f"{check['threshold']}")  # fmt: skip
+    if args.json:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=False).stdout
+        out = {"machine": machine(), "commit": commit.strip(), "gates": checks, "summary": table,
+               "rows": [asdict(r) for r in rows]}  # fmt: skip
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(out, indent=1) + "\n")
 
 
 def codec_for(lm: LoadedModel) -> CacheGenCodec:

@@ -1,0 +1,64 @@
+"""``bench peers --answers`` on a tiny model: whole answers timed with speculation on and off, outputs compared,
+llama.cpp reported with its reason when missing, and the gates computed from the rows."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import tiny_model
+
+from pc_rag.bench import answer_time
+from pc_rag.bench.answer_time import LLAMA_CPP_ROWS, AnswerRow, answer_workload, gates, run_answers, summary
+from pc_rag.rag import RagEngine
+from pc_rag.sample import sample_questions
+
+
+@pytest.fixture(scope="module")
+def engine(tokenizer) -> RagEngine:
+    return RagEngine(tiny_model("llama", tokenizer))
+
+
+def test_a_workload_holds_its_questions_passages_first_and_about_the_target(engine: RagEngine) -> None:
+    question = sample_questions()[1]
+    work = answer_workload(engine, question, 600)
+    assert 560 <= len(work.ids) <= 620
+    first_title = question.passages[0][0]
+    assert first_title in engine.lm.tokenizer.decode(list(work.chunks[0].token_ids))
+    assert work.documents < len(work.ids)
+
+
+def test_every_row_is_timed_speculation_matches_plain_and_llama_cpp_says_why(engine: RagEngine, monkeypatch) -> None:
+    monkeypatch.setattr(answer_time.importlib.util, "find_spec", lambda name: None)  # as where it is not installed
+    rows = run_answers(engine, [250], questions=1, runs=1, gguf=None, busy=[1], log=lambda line: None)
+    missing = [r for r in rows if r.peer in LLAMA_CPP_ROWS]
+    assert len(missing) == 3 and all("not installed" in r.note for r in missing)
+    timed = [r for r in rows if r.answer_ms is not None]
+    names = {r.peer for r in timed}
+    modes = dict.fromkeys((engine.default_mode, "naive"))
+    assert names == {f"pc-rag {m}{s}" for m in modes for s in ("", " + speculation")}
+    speculative = [r for r in timed if r.peer.endswith("speculation") and r.busy == 0]
+    assert len(speculative) == len(modes) and all(r.same_as_plain for r in speculative)
+    assert all(r.tokens_per_step == 1 for r in timed if not r.peer.endswith("speculation"))
+    assert [r.busy for r in rows if r.busy] == [1]
+    table = summary(rows)
+    assert {line["peer"] for line in table} == names
+    checks = {c["name"]: c for c in gates(rows, engine.default_mode)}
+    assert checks["greedy output with speculation = plain, share of rows"]["met"]
+    assert any(c["value"] is None and not c["met"] for c in checks.values())  # llama.cpp's gates: no rows
+
+
+def test_gates_compare_our_answers_with_llama_cpps_on_the_same_questions() -> None:
+    def row(peer: str, q: str, ms: float, speed: float, same: bool | None = None) -> AnswerRow:
+        return AnswerRow(peer, 1030, q, 100, ms, 20, speed, None, same)
+
+    rows = [
+        row("pc-rag fast", "a", 1000, 20), row("pc-rag fast + speculation", "a", 600, 40, True),
+        row("pc-rag fast", "b", 1000, 20), row("pc-rag fast + speculation", "b", 900, 25, True),
+        row(LLAMA_CPP_ROWS[1], "a", 700, 30), row(LLAMA_CPP_ROWS[1], "b", 800, 30),
+    ]  # fmt: skip
+    checks = {c["name"]: c for c in gates(rows, "fast")}
+    answer = checks["answer time, pc-rag fast + speculation / llama.cpp warm, 1024 tokens"]
+    assert answer["value"] == pytest.approx((600 / 700 + 900 / 800) / 2) and answer["met"]
+    decode = checks["decode tokens/s, pc-rag fast + speculation / llama.cpp plain decode, 1024 tokens"]
+    assert decode["value"] == pytest.approx((40 / 30 + 25 / 30) / 2) and decode["met"]
+    gain = checks["decode tokens/s, speculation / plain decode (median over questions)"]
+    assert gain["value"] == pytest.approx((2 + 1.25) / 2) and gain["met"]
