@@ -1,0 +1,27 @@
+"""Speculative decoding on SmolLM2: greedy answers with drafts from the passages are the plain answers, token for
+token, in the default mode (its merged adapter runs inside the fused step) and in ``naive``, and drafts are kept."""
+
+from __future__ import annotations
+
+import pytest
+
+from pc_rag.model import LoadedModel
+from pc_rag.rag import RagEngine
+from pc_rag.sample import sample_questions
+
+pytestmark = pytest.mark.real_model
+
+
+@pytest.mark.parametrize("mode", ["default mode", "naive"])
+def test_speculative_answers_are_the_plain_answers(smollm2: LoadedModel, mode: str) -> None:
+    engine = RagEngine(smollm2)
+    mode = engine.default_mode if mode == "default mode" else mode
+    accepted = 0
+    for q in sample_questions()[:2]:
+        chunks = engine.encode([engine.passage_text(i + 1, t, x) for i, (t, x) in enumerate(q.passages[:5])], mode)
+        plain = engine.answer(chunks, q.question, mode, max_new_tokens=48, speculative=False)
+        fast = engine.answer(chunks, q.question, mode, max_new_tokens=48, speculative=True)
+        assert fast.token_ids == plain.token_ids, q.id
+        assert fast.stats.decode_steps < plain.stats.decode_steps
+        accepted += fast.stats.accepted
+    assert accepted > 0
