@@ -38,9 +38,9 @@ def test_every_row_is_timed_speculation_matches_plain_and_llama_cpp_says_why(eng
     speculative = [r for r in timed if r.peer.endswith("speculation") and r.busy == 0]
     assert len(speculative) == len(modes) and all(r.same_as_plain for r in speculative)
     assert all(r.tokens_per_step == 1 for r in timed if not r.peer.endswith("speculation"))
-    assert [r.busy for r in rows if r.busy] == [1]
+    assert [(r.busy, r.peer.endswith("(--threads auto)")) for r in rows if r.busy] == [(1, False), (1, True)]
     table = summary(rows)
-    assert {line["peer"] for line in table} == names
+    assert {line["peer"] for line in table} - names == {f"pc-rag {engine.default_mode} + speculation (--threads auto)"}
     checks = {c["name"]: c for c in gates(rows, engine.default_mode)}
     assert checks["greedy output with speculation = plain, share of rows"]["met"]
     assert any(c["value"] is None and not c["met"] for c in checks.values())  # llama.cpp's gates: no rows

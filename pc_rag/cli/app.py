@@ -37,6 +37,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="compute dtype: float32, bfloat16, or int8 / int4 weights computing in bfloat16 "
                         "(default: the store's, else float32)")  # fmt: skip
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress, with weight-loading progress bars")
+    parser.add_argument("--threads", default=None, type=_threads,
+                        help="torch threads: a count, or 'auto' for the cores other processes leave free, chosen "
+                        "again at each request and every few decode steps (default: torch's)")  # fmt: skip
     commands = parser.add_subparsers(dest="command", required=True)
     demo = commands.add_parser("demo", help="build a store from sample passages and answer, cached vs full")
     demo.add_argument("--questions", type=int, default=4)
@@ -146,6 +149,7 @@ def _run(args: argparse.Namespace) -> int:
         if args.command == "ask" and not args.question.strip():
             msg = "the question is empty"
             raise PCRagError(msg)
+    _set_threads(args.threads)
     store = getattr(args, "store", None)
     dtype = args.dtype or (store_commands.store_compute_dtype(store) if store else None) or "float32"
     lm = load_model(args.model or DEFAULT_MODEL, device=args.device, dtype=dtype)
@@ -383,3 +387,27 @@ def _codec_levels(spec: str | None) -> tuple[int, ...]:
     except (StoreError, CodecError) as e:
         raise EvalError(str(e)) from e
     return levels
+
+
+def _threads(value: str) -> str | int:
+    """``--threads``: ``auto`` or a positive count."""
+    if value == "auto":
+        return value
+    try:
+        count = int(value)
+    except ValueError:
+        count = 0
+    if count < 1:
+        raise argparse.ArgumentTypeError(f"takes a positive count or 'auto', got {value!r}")
+    return count
+
+
+def _set_threads(threads: str | int | None) -> None:
+    if threads == "auto":
+        from pc_rag.runtime.threads import use_free_cores
+
+        use_free_cores()
+    elif threads is not None:
+        import torch
+
+        torch.set_num_threads(int(threads))

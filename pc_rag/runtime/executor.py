@@ -23,6 +23,7 @@ from pc_rag.model_call import ModelCall, with_cache
 from pc_rag.recompute import recompute_and_prefill
 from pc_rag.runtime.model_runner import ModelRunner
 from pc_rag.runtime.request import Request
+from pc_rag.runtime.threads import adapt_threads
 
 
 @dataclass
@@ -69,6 +70,7 @@ def prefill(lm: LoadedModel, buffers: BufferPool, request: Request) -> Prefilled
     """Splice the request's parts into a pooled buffer, recompute what its refresh chooses, run its new tokens.
 
     The caller releases the buffer (``buffers.release(prefilled.buffer)``)."""
+    adapt_threads()
     buffer, spliced = splice_request(lm, buffers, request)
     try:
         refresh = request.refresh
