@@ -342,6 +342,10 @@ def render(loaded: list[Any], args: argparse.Namespace) -> str:
         from adapter_levers import markdown as levers_table
 
         return "\n\n".join(levers_table(d) for d in loaded)
+    if all(isinstance(d, dict) and "gates" in d and "machine" in d for d in loaded):  # bench peers --answers
+        from pc_rag.bench.answer_time import markdown as answer_table
+
+        return "\n\n".join(answer_table(d) for d in loaded)
     if all(isinstance(d, dict) and "gates" in d for d in loaded):  # pc-rag bench gpu
         from pc_rag.bench.gpu import format_gates
 

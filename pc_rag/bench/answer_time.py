@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -336,3 +337,25 @@ def _length_class(tokens: int) -> int:
 def _median(values: Iterable[float | int | None]) -> float | None:
     present = [v for v in values if v is not None]
     return statistics.median(present) if present else None
+
+
+def markdown(result: dict[str, Any]) -> str:
+    """The summary and the gates of a ``--json`` result as two Markdown tables."""
+    head = "| peer | context | busy loops | TTFT ms | answer ms | tokens | decode tok/s | tokens/step | = plain |"
+    lines = [head, "|---|---|---|---|---|---|---|---|---|"]
+
+    def cell(value: object, digits: int = 0) -> str:
+        return "" if value is None else f"{value:,.{digits}f}" if isinstance(value, float | int) else str(value)
+
+    for s in sorted(result["summary"], key=lambda s: (s["length"], s["busy"])):
+        lines.append(
+            f"| {s['peer']} | {s['length']:,} | {s['busy']} | {cell(s['ttft_ms'])} | {cell(s['answer_ms'])} | "
+            f"{cell(s['tokens'])} | {cell(s['decode_tokens_per_s'], 1)} | {cell(s['tokens_per_step'], 2)} | "
+            f"{s['same_as_plain']} |"
+        )
+    gates_table = ["| gate | value | threshold | met |", "|---|---|---|---|"]
+    gates_table += [
+        f"| {g['name']} | {cell(g['value'], 2)} | {g['op']} {g['threshold']} | {'yes' if g['met'] else 'no'} |"
+        for g in result["gates"]
+    ]
+    return "\n".join(lines) + "\n\n" + "\n".join(gates_table)
