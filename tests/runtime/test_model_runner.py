@@ -9,7 +9,7 @@ import torch
 from test_weights import tiny_in
 
 from pc_rag.kv import KVBuffer, allocate
-from pc_rag.runtime.model_runner import ModelRunner, StaticForward, bucket_for
+from pc_rag.runtime.model_runner import PREFILL_BUCKETS, ModelRunner, StaticForward, bucket_for, capture_length
 
 DESCRIBED = ["llama", "llama3-scaled", "mistral", "qwen2", "qwen3"]
 TOLERANCE = {"float32": 1e-5, "bfloat16": 5e-2}
@@ -106,6 +106,66 @@ def test_cpu_runs_eagerly_and_refuses_graphs(tokenizer) -> None:
     assert ModelRunner.of(lm.model) is ModelRunner.of(lm.model)
     with pytest.raises(ValueError, match="CUDA graphs need a CUDA model"):
         ModelRunner(lm.model, graphs=True)
+
+
+def _static_runner(model) -> ModelRunner:
+    runner = ModelRunner(model)  # its own runner: ModelRunner.of would share the mode with other tests
+    runner.enable_static()
+    return runner
+
+
+def _prefilled(model, capacity: int, prompt: list[int]) -> KVBuffer:
+    buffer = allocate(model, capacity)
+    with torch.inference_mode():
+        model(input_ids=torch.tensor([prompt]), cache=buffer.cache(0), use_cache=True)
+    return buffer
+
+
+def test_capture_leaves_every_cached_slot_bit_identical(tokenizer) -> None:
+    """The capture forwards of every bucket run at ``capture_length`` (the buffer's last slots), never over the
+    cached tokens of the request that triggers them (at length 0 they would rewrite its first tokens)."""
+    lm = tiny_in("llama", "float32", tokenizer)
+    runner = _static_runner(lm.model)
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3, 8, 4]
+    buffer = _prefilled(lm.model, 128, prompt)
+    keys, values = buffer.keys[..., : len(prompt), :].clone(), buffer.values[..., : len(prompt), :].clone()
+    runner.prepare(buffer, len(prompt))
+    assert runner.calls["captures"] == len([b for b in (1, *PREFILL_BUCKETS) if len(prompt) + b <= 128])
+    assert torch.equal(buffer.keys[..., : len(prompt), :], keys)
+    assert torch.equal(buffer.values[..., : len(prompt), :], values)
+    assert buffer.keys[..., -1, :].abs().sum() > 0, "the capture forwards wrote nothing: the test saw no capture"
+    assert [capture_length(128, b) for b in (1, 16, 128)] == [127, 112, 0]
+
+
+def test_static_runner_matches_the_model_in_every_slot_and_step(tokenizer) -> None:
+    """Weight-independent fidelity: after the runner's first forward (which captures) and several decode steps,
+    every slot's key and value equals the model's own forward, and so does every step's logits."""
+    lm = tiny_in("llama", "float32", tokenizer)
+    runner = _static_runner(lm.model)
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    ours, theirs = _prefilled(lm.model, 64, prompt), _prefilled(lm.model, 64, prompt)
+    question, at = [7, 8, 9], [8, 9, 10]
+    with torch.inference_mode():
+        logits, cache = runner.forward(ours, len(prompt), question, at)
+        assert _relative(logits, _plain(lm.model, theirs.cache(len(prompt)), question, at)) < 1e-5
+        for position, token in enumerate([10, 11, 12, 13], start=11):
+            length = cache.get_seq_length()
+            step = runner.decode(token, position, cache)
+            assert _relative(step, _plain(lm.model, theirs.cache(length), [token], [position])) < 1e-5
+    length = cache.get_seq_length()
+    assert length == len(prompt) + len(question) + 4
+    torch.testing.assert_close(ours.keys[..., :length, :], theirs.keys[..., :length, :], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ours.values[..., :length, :], theirs.values[..., :length, :], rtol=1e-5, atol=1e-5)
+    calls = runner.take_calls()
+    assert (calls["static"], calls["fallback"]) == (5, 0) and not runner.calls
+
+
+def test_a_buffer_without_room_for_the_bucket_is_counted_as_a_fallback(tokenizer) -> None:
+    lm = tiny_in("llama", "float32", tokenizer)
+    runner = _static_runner(lm.model)
+    buffer = _prefilled(lm.model, 20, list(range(3, 13)))
+    runner.forward(buffer, 10, [5, 6], [10, 11])  # 10 cached + bucket 16 > 20 slots
+    assert runner.calls["fallback"] == 1 and runner.calls["static"] == 0
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
