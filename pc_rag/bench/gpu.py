@@ -40,13 +40,14 @@ class Shape:
     kv_heads: int
     head_dim: int
     rope_theta: float
+    vocab: int = 0  # the real model's vocabulary (its lm_head and argmax cost); 0: the tokenizer's
     scale: int = 1  # contexts, batch sizes and private lengths are divided by this (tiny shapes on a CPU)
 
 
 SHAPES = {
-    "llama-3b": Shape("llama", 28, 3072, 8192, 24, 8, 128, 500000.0),
-    "llama-8b": Shape("llama", 32, 4096, 14336, 32, 8, 128, 500000.0),
-    "qwen-7b": Shape("qwen2", 28, 3584, 18944, 28, 4, 128, 1000000.0),
+    "llama-3b": Shape("llama", 28, 3072, 8192, 24, 8, 128, 500000.0, vocab=128256),
+    "llama-8b": Shape("llama", 32, 4096, 14336, 32, 8, 128, 500000.0, vocab=128256),
+    "qwen-7b": Shape("qwen2", 28, 3584, 18944, 28, 4, 128, 1000000.0, vocab=152064),
     "tiny": Shape("llama", 2, 128, 256, 4, 2, 32, 10000.0, scale=8),
 }
 
@@ -86,6 +87,10 @@ class GpuBench:
     sections: dict[str, Any] = field(default_factory=dict)
     lm: Any = None
     on_progress: Callable[[str], None] = print
+    static_calls: dict[str, int] = field(default_factory=dict)
+    eager_fallbacks: dict[str, int] = field(default_factory=dict)
+    interrupted: str | None = None  # the section a SIGINT (``timeout -s INT``) stopped
+    running: str | None = None  # the section running now
 
     def sync(self) -> None:
         if self.device.startswith("cuda"):
@@ -102,21 +107,45 @@ class GpuBench:
 
     def section(self, name: str, body: Callable[[], Any], gates: list[str]) -> None:
         """Run ``body`` (it appends gates); on failure record the error and ``gates`` as unmet."""
-        began = time.perf_counter()
+        self.running, began = name, time.perf_counter()
         self.on_progress(f"== {name}")
+        runner = self.runner()
+        runner.take_calls()
         try:
             self.sections[name] = {"rows": body(), "seconds": round(time.perf_counter() - began, 1)}
+        except KeyboardInterrupt:
+            self.sections[name] = {"error": "interrupted (SIGINT)", "seconds": round(time.perf_counter() - began, 1)}
+            raise
         except Exception as e:  # noqa: BLE001 - a failed section is a result of the benchmark, and the rest still run
             self.sections[name] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-3000:]}
             self.gates.extend(Gate(g, None, 0) for g in gates if g not in {x.name for x in self.gates})
             self.on_progress(f"   {name} failed: {type(e).__name__}: {e}")
+        finally:
+            from pc_rag.runtime.model_runner import CALL_KINDS
+
+            calls = runner.take_calls()
+            self.static_calls[name], self.eager_fallbacks[name] = calls["static"], calls["fallback"]
+            self.sections[name]["runner_calls"] = {kind: calls[kind] for kind in CALL_KINDS}
+        self.running = None  # not reached when interrupted: the run's end reads which section was
+
+    def runner(self) -> Any:
+        """The model's runner: on the CPU in its bookkeeping mode, so every call CUDA would replay as a graph runs
+        the static-shape path (eagerly) and is counted."""
+        from pc_rag.runtime.model_runner import ModelRunner
+
+        runner = ModelRunner.of(self.lm.model)
+        if not runner.static and not self.device.startswith("cuda"):
+            runner.enable_static()
+        return runner
 
     def result(self, total_s: float) -> dict[str, Any]:
         device = torch.cuda.get_device_name() if self.device.startswith("cuda") else _cpu_name()
         return {
             "device": device, "torch": torch.__version__, "commit": _commit(), "shape": self.shape_name,
             "shape_config": self.shape.__dict__, "dtype": self.lm.compute_dtype if self.lm else None,
-            "gates": [g.as_json() for g in self.gates], "sections": self.sections, "total_s": round(total_s, 1),
+            "gates": [g.as_json() for g in self.gates], "static_calls": self.static_calls,
+            "eager_fallbacks": self.eager_fallbacks, "interrupted": self.interrupted, "sections": self.sections,
+            "total_s": round(total_s, 1),
         }  # fmt: skip
 
 
@@ -136,7 +165,7 @@ def build_model(shape: Shape, device: str, tokenizer_dir: Path) -> Any:
         raise PCRagError(msg) from e
     config_class = Qwen2Config if shape.arch == "qwen2" else LlamaConfig
     config = config_class(
-        vocab_size=len(tokenizer), hidden_size=shape.hidden, intermediate_size=shape.ffn,
+        vocab_size=max(len(tokenizer), shape.vocab), hidden_size=shape.hidden, intermediate_size=shape.ffn,
         num_hidden_layers=shape.layers, num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads,
         head_dim=shape.head_dim, max_position_embeddings=65536, tie_word_embeddings=True,
         rope_parameters={"rope_type": "default", "rope_theta": shape.rope_theta},
@@ -253,8 +282,9 @@ def decode_speed(bench: GpuBench, new_tokens: int = 64) -> list[dict[str, Any]]:
     for label, target in (("1k", 1024), ("8k", 8192)):
         name, prompt = _passages_prompt(pc, bench.tokens(target))
         ids = pc.full_prompt_ids(prompt)
-        pc.generate(prompt, max_new_tokens=4)  # warm-up: buffers, graphs
-        pc.generate_ids(ids, max_new_tokens=4)
+        # warm-up at the timed length: the same buffers (sized for the reply), so no capture lands in a timed run
+        pc.generate(prompt, max_new_tokens=new_tokens)
+        pc.generate_ids(ids, max_new_tokens=new_tokens)
         cached = statistics.median(per_s(pc.generate(prompt, max_new_tokens=new_tokens)) for _ in range(bench.runs))
         full = statistics.median(per_s(pc.generate_ids(ids, max_new_tokens=new_tokens)) for _ in range(bench.runs))
         rows.append({"label": label, "context": len(ids), "cached_tokens_per_s": round(cached, 1),
@@ -387,6 +417,11 @@ SECTIONS: dict[str, tuple[Callable[[GpuBench], Any], list[str]]] = {
 }  # fmt: skip
 
 
+TIMED = ("ttft", "rag", "decode", "serving")
+"""The sections whose cached requests and decode steps are timed: each must take the static-shape path."""
+STATIC_GATE = "timed_eager_fallbacks"
+
+
 def run_gpu_bench(
     shape: str,
     device: str,
@@ -395,8 +430,13 @@ def run_gpu_bench(
     only: list[str] | None = None,
     runs: int = 3,
     on_progress: Callable[[str], None] = print,
+    on_result: Callable[[dict[str, Any]], None] | None = None,
 ) -> dict[str, Any]:
-    """Run the chosen sections (default: all) and return the JSON-ready result."""
+    """Run the chosen sections (default: all) and return the JSON-ready result.
+
+    ``on_result`` receives the result so far before the model is built and after every section (partial results
+    are results). A SIGINT (``KeyboardInterrupt``, as ``timeout -s INT`` sends) ends the run: the result says which
+    section it stopped (``interrupted``) and holds every section before it."""
     if shape not in SHAPES:
         msg = f"unknown shape {shape!r}: choose one of {', '.join(SHAPES)}"
         raise PCRagError(msg)
@@ -408,11 +448,40 @@ def run_gpu_bench(
         raise PCRagError("--device cuda, but torch sees no CUDA device (a CPU build of torch, or no GPU)")
     began = time.perf_counter()
     bench = GpuBench(shape, SHAPES[shape], device, tokenizer_dir, runs=runs, on_progress=on_progress)
-    bench.lm = build_model(bench.shape, device, tokenizer_dir)
-    for name, (body, gates) in SECTIONS.items():
-        if only is None or name in only:
-            bench.section(name, lambda body=body: body(bench), gates)
-    return bench.result(time.perf_counter() - began)
+    report = on_result or (lambda _: None)
+    try:
+        bench.interrupted = "build"  # until the model is built
+        report(bench.result(time.perf_counter() - began))
+        bench.lm = build_model(bench.shape, device, tokenizer_dir)
+        bench.interrupted = None
+        for name, (body, gates) in SECTIONS.items():
+            if only is None or name in only:
+                bench.section(name, lambda body=body: body(bench), gates)
+                _static_gate(bench)
+                report(bench.result(time.perf_counter() - began))
+    except KeyboardInterrupt:
+        bench.interrupted = bench.interrupted or bench.running or "between sections"
+        if bench.running is not None:
+            bench.sections.setdefault(bench.running, {"error": "interrupted (SIGINT)"})
+        on_progress(f"   interrupted in {bench.interrupted}: the result holds every section before it")
+        known = {g.name for g in bench.gates}
+        bench.gates += [Gate(g, None, 0) for name, (_, gates) in SECTIONS.items() if only is None or name in only
+                        for g in gates if g not in known]  # fmt: skip
+    result = bench.result(time.perf_counter() - began)
+    report(result)
+    return result
+
+
+def _static_gate(bench: GpuBench) -> None:
+    """Every timed cached request and decode step took the static-shape path (a graph replay on CUDA): the
+    eager fallbacks of the timed sections that ran, at most 0 (unmet, with no value, if one failed)."""
+    timed = [name for name in TIMED if name in bench.sections]
+    if not timed:
+        return
+    failed = any("error" in bench.sections[name] for name in timed)
+    value = None if failed else sum(bench.eager_fallbacks[name] for name in timed)
+    bench.gates = [g for g in bench.gates if g.name != STATIC_GATE]
+    bench.gates.append(Gate(STATIC_GATE, value, 0, at_least=False, unit="calls"))
 
 
 def format_gates(result: dict[str, Any]) -> str:
