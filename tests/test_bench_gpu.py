@@ -33,8 +33,11 @@ def test_every_section_runs_and_every_gate_is_reported_once(result: dict) -> Non
 
 
 def test_the_runner_equals_the_models_forward_and_batched_answers_match(result: dict) -> None:
-    fidelity = {g["name"]: g for g in result["gates"]}["runner_relative_logit_error"]
-    assert fidelity["met"], fidelity
+    gates = {g["name"]: g for g in result["gates"]}
+    for name in gpu.FIDELITY_GATES:  # logits, decode steps, every slot's KV, cached slots across captures
+        assert gates[name]["met"], gates[name]
+    row = result["sections"]["fidelity"]["rows"][0]
+    assert row["static"] and row["cached_values_changed"] == 0 and len(row["decode_relative_errors"]) == 4
     serving = result["sections"]["serving"]["rows"][0]
     assert serving["identical_to_served_alone"] and serving["identical_to_one_at_a_time"]
 
@@ -71,7 +74,7 @@ def test_cli_writes_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
     argv = ["--device", "cpu", "bench", "gpu", "--shape", "tiny", "--tokenizer", str(TOKENIZER)]
     assert main([*argv, "--only", "fidelity", "--runs", "1", "--json", str(out)]) == 0
     written = json.loads(out.read_text())
-    assert [g["name"] for g in written["gates"]] == ["runner_relative_logit_error"]
+    assert [g["name"] for g in written["gates"]] == gpu.FIDELITY_GATES
     assert "| runner_relative_logit_error |" in capsys.readouterr().out
 
 

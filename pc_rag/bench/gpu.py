@@ -372,41 +372,62 @@ def serving(bench: GpuBench) -> list[dict[str, Any]]:
     return [row]
 
 
-def graph_fidelity(bench: GpuBench) -> list[dict[str, Any]]:
-    """The runner's forward (replayed graphs on CUDA) against the model's own forward: relative logit error."""
-    from pc_rag.kv import allocate
-    from pc_rag.runtime.model_runner import ModelRunner
+FIDELITY_GATES = ["runner_relative_logit_error", "runner_decode_relative_logit_error", "runner_relative_kv_error",
+                  "capture_changed_cached_values"]  # fmt: skip
 
-    model = bench.lm.model
-    runner = ModelRunner.of(model)
+
+def graph_fidelity(bench: GpuBench, steps: int = 4) -> list[dict[str, Any]]:
+    """The runner (replayed graphs on CUDA, the static path on the CPU) against the model's own forward: the new
+    tokens' logits, then ``steps`` decode steps' logits, then every slot's key and value (random weights give
+    near-uniform attention, so a mask, RoPE or slot error barely moves the logits but shows in the KV); and the
+    cached slots, bit for bit, across the captures the first forward triggers."""
+    from pc_rag.kv import allocate
+
+    model, device = bench.lm.model, bench.device
+    runner = bench.runner()
     prompt = list(range(10, 10 + bench.tokens(1024)))
     ours, theirs = allocate(model, 4096), allocate(model, 4096)
-    device = bench.device
-    rows = []
+
+    def plain(cache: Any, ids: list[int], at: list[int]) -> torch.Tensor:
+        return model(input_ids=torch.tensor([ids], device=device), position_ids=torch.tensor([at], device=device),
+                     **with_cache(cache), use_cache=True).logits[0, -1]  # fmt: skip
+
+    def relative(a: torch.Tensor, b: torch.Tensor) -> float:
+        return float((a.float() - b.float()).abs().max() / b.float().abs().max())
+
     with torch.inference_mode():
         for buffer in (ours, theirs):
             model(input_ids=torch.tensor([prompt], device=device), **with_cache(buffer.cache(0)), use_cache=True)
+        cached = (ours.keys[..., : len(prompt), :].clone(), ours.values[..., : len(prompt), :].clone())
         ids, at = [5, 6, 7, 8], [len(prompt) + i for i in range(4)]
-        logits, _ = runner.forward(ours, len(prompt), ids, at)
-        reference = model(input_ids=torch.tensor([ids], device=device), position_ids=torch.tensor([at], device=device),
-                          **with_cache(theirs.cache(len(prompt))), use_cache=True).logits[0, -1]  # fmt: skip
-        error = float((logits.float() - reference.float()).abs().max() / reference.float().abs().max())
-        rows.append(
-            {
-                "graphs": runner.graphs,
-                "relative_error": error,
-                "argmax_equal": bool(logits.argmax() == reference.argmax()),
-            }
-        )
+        logits, cache = runner.forward(ours, len(prompt), ids, at)  # a new buffer: every bucket captured first
+        changed = sum(int((now != then).sum()) for now, then in zip(  # captures since: the same tensors, no slot
+            (ours.keys[..., : len(prompt), :], ours.values[..., : len(prompt), :]), cached, strict=True))  # fmt: skip
+        reference = plain(theirs.cache(len(prompt)), ids, at)
+        error, argmax_equal = relative(logits, reference), bool(logits.argmax() == reference.argmax())
+        step_errors = []
+        for position, token in enumerate(range(20, 20 + steps), start=at[-1] + 1):
+            length = cache.get_seq_length()
+            step = runner.decode(token, position, cache)
+            step_errors.append(relative(step, plain(theirs.cache(length), [token], [position])))
+        length = cache.get_seq_length()
+        kv_error = max(relative(mine[..., :length, :], want[..., :length, :])
+                       for mine, want in ((ours.keys, theirs.keys), (ours.values, theirs.values)))  # fmt: skip
+    row = {"graphs": runner.graphs, "static": runner.static, "relative_error": error,
+           "decode_relative_errors": step_errors, "relative_kv_error": kv_error, "cached_values_changed": changed,
+           "argmax_equal": argmax_equal}  # fmt: skip
     tolerance = 5e-2 if bench.lm.dtype == torch.bfloat16 else 1e-4
-    bench.gates.append(
-        Gate("runner_relative_logit_error", round(rows[0]["relative_error"], 5), tolerance, at_least=False, unit="")
-    )
-    return rows
+    bench.gates += [
+        Gate(FIDELITY_GATES[0], round(error, 5), tolerance, at_least=False, unit=""),
+        Gate(FIDELITY_GATES[1], round(max(step_errors), 5), tolerance, at_least=False, unit=""),
+        Gate(FIDELITY_GATES[2], round(kv_error, 5), tolerance, at_least=False, unit=""),
+        Gate(FIDELITY_GATES[3], changed, 0, at_least=False, unit="values"),
+    ]
+    return [row]
 
 
 SECTIONS: dict[str, tuple[Callable[[GpuBench], Any], list[str]]] = {
-    "fidelity": (graph_fidelity, ["runner_relative_logit_error"]),
+    "fidelity": (graph_fidelity, FIDELITY_GATES),
     "ttft": (ttft_prompt_cache, ["prompt_cache_speedup_2k", "prompt_cache_speedup_8k", "prompt_cache_speedup_32k",
                                  "prompt_cache_cached_ttft_2k_ms"]),
     "rag": (rag_modes, ["rag_prefix_speedup_1.3k", "rag_prefix_speedup_8k", "rag_default_speedup_1.3k",
