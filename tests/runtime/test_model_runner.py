@@ -168,6 +168,32 @@ def test_a_buffer_without_room_for_the_bucket_is_counted_as_a_fallback(tokenizer
     assert runner.calls["fallback"] == 1 and runner.calls["static"] == 0
 
 
+def test_the_static_forward_compiles_whole_and_once_for_any_length(tokenizer) -> None:
+    """The nearest CPU proxy for "capturable": ``torch.compile(fullgraph=True)`` traces the static forward with no
+    graph break (AOT autograd functionalizes its KV writes), and a second cached length reuses the one graph (the
+    length is a device tensor). About 5-10 s on one loaded core (the aot_eager backend; inductor takes ~2 min)."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    lm = tiny_in("llama", "float32", tokenizer)
+    forward = StaticForward.of(lm.model)
+    assert forward is not None
+    compiled_buffer, eager_buffer = (
+        _prefilled(lm.model, 64, list(range(3, 23))),
+        _prefilled(lm.model, 64, list(range(3, 23))),
+    )
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(forward.__call__, backend=counter, fullgraph=True, dynamic=False)
+    with torch.inference_mode():
+        for length in (20, 36):
+            inputs = (torch.arange(16)[None] + 40, torch.arange(16)[None] + length, torch.tensor([length]),
+                      torch.tensor([9]))  # fmt: skip
+            mine = compiled(*inputs, compiled_buffer.keys, compiled_buffer.values)
+            torch.testing.assert_close(mine, forward(*inputs, eager_buffer.keys, eager_buffer.values))
+    assert counter.frame_count == 1, "recompiled for a new length"
+    torch.testing.assert_close(compiled_buffer.keys[..., :52, :], eager_buffer.keys[..., :52, :])
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_graphed_forward_equals_the_eager_one_on_cuda(tokenizer, arch: str) -> None:
