@@ -55,6 +55,15 @@ def bucket_for(count: int, buckets: Sequence[int] = PREFILL_BUCKETS) -> int | No
     return next((b for b in buckets if b >= count), None)
 
 
+SDPA_BACKENDS = {
+    "cuda": [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH],
+    "cpu": [SDPBackend.FLASH_ATTENTION, SDPBackend.MATH],
+}
+"""The static forward's attention kernels, pinned so that a capture records the kernel that was measured: on CUDA
+memory-efficient attention (it takes the boolean mask; flash does not, cuDNN re-plans per shape), math only where
+it cannot run (slower, not a crash in the one GPU call); the CPU keeps its own choice (flash with a mask)."""
+
+
 def padded_count(count: int) -> int:
     """The slots a forward of ``count`` new tokens needs in its buffer: its bucket, or ``count`` beyond every bucket
     (size buffers with it, or a cached request just under a capacity runs eagerly)."""
@@ -76,10 +85,6 @@ class StaticForward:
         self._model = model
         self._decoder = model.get_decoder()
         self._layers = [FusedLayer(layer) for layer in self._decoder.layers]
-        on_cuda = next(model.parameters()).device.type == "cuda"
-        # pinned, so a capture records the kernel that was measured: memory-efficient attention takes the boolean
-        # mask on CUDA (flash does not); the CPU keeps its own choice (flash with a mask, else math)
-        self.backends = [SDPBackend.EFFICIENT_ATTENTION] if on_cuda else [SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]
 
     @classmethod
     def of(cls, model: PreTrainedModel) -> StaticForward | None:
@@ -101,7 +106,7 @@ class StaticForward:
         visible = torch.arange(capacity, device=tokens.device)[None, :] <= slots[:, None]  # [T, C]
         x = decoder.embed_tokens(tokens)  # [1, T, hidden]
         rotary = decoder.rotary_emb(x, positions)
-        with sdpa_kernel(self.backends):
+        with sdpa_kernel(SDPA_BACKENDS["cuda" if keys.is_cuda else "cpu"]):
             for index, fused in enumerate(self._layers):
                 x = self._layer(fused, x, rotary, keys[index], values[index], slots, visible)
         hidden = rms_norm(decoder.norm, x)[0].index_select(0, last)  # [1, hidden]
