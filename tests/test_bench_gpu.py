@@ -38,6 +38,8 @@ def test_the_runner_equals_the_models_forward_and_batched_answers_match(result: 
         assert gates[name]["met"], gates[name]
     row = result["sections"]["fidelity"]["rows"][0]
     assert row["static"] and row["cached_values_changed"] == 0 and len(row["decode_relative_errors"]) == 4
+    for row in result["sections"]["attention"]["rows"]:  # the capturable split-KV form attends as SDPA does
+        assert row["split_kv_max_abs_err"] < 1e-5 and row["max_abs_err"] < 1e-5, row
     serving = result["sections"]["serving"]["rows"][0]
     assert serving["identical_to_served_alone"] and serving["identical_to_one_at_a_time"]
 

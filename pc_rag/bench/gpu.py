@@ -303,10 +303,12 @@ def decode_speed(bench: GpuBench, new_tokens: int = 64) -> list[dict[str, Any]]:
 
 
 def attention_two_phase(bench: GpuBench) -> list[dict[str, Any]]:
-    """One layer's decode-step attention: two-phase partition attention against SDPA over duplicated KV."""
+    """One layer's decode-step attention: two-phase partition attention against SDPA over duplicated KV; and the
+    capturable split-KV form (``StaticBatchStep``'s), replayed as a CUDA graph on CUDA (no gate yet)."""
     import torch.nn.functional as F
 
     from pc_rag.runtime.partition_attention import SharedRun, partition_attention, private_mask
+    from pc_rag.runtime.static_batch_step import split_kv_attention
 
     config = bench.lm.model.config
     heads, kv_heads, dim = config.num_attention_heads, config.num_key_value_heads, bench.shape.head_dim
@@ -325,11 +327,21 @@ def attention_two_phase(bench: GpuBench) -> list[dict[str, Any]]:
         dup_v = torch.cat([shared[1].expand(batch, -1, -1, -1), private[1]], 2).contiguous()
         two_phase = partial(partition_attention, q, runs, private[0], private[1], mask, dim**-0.5)
         sdpa = partial(F.scaled_dot_product_attention, q[:, :, None], dup_k, dup_v, scale=dim**-0.5, enable_gqa=True)
-        error = float((two_phase().float() - sdpa()[:, :, 0].float()).abs().max())
-        us = {name: _time_us(bench, fn) for name, fn in (("two_phase", two_phase), ("sdpa_dup", sdpa))}
+        split_kv = partial(split_kv_attention, q, shared[0], shared[1],
+                           torch.ones(batch, shared_len, dtype=torch.bool, device=device), private[0], private[1],
+                           torch.ones(batch, private_len, dtype=torch.bool, device=device), dim**-0.5)  # fmt: skip
+        reference = sdpa()[:, :, 0].float()
+        error = float((two_phase().float() - reference).abs().max())
+        split_error = float((split_kv().float() - reference).abs().max())
+        us = {name: _time_us(bench, fn) for name, fn in (("two_phase", two_phase), ("sdpa_dup", sdpa),
+                                                          ("split_kv", _graphed(bench, split_kv)))}  # fmt: skip
         rows.append({"label": label, "batch": batch, "shared": shared_len, "private": private_len,
                      "two_phase_us": round(us["two_phase"], 1), "sdpa_dup_us": round(us["sdpa_dup"], 1),
-                     "speedup": round(us["sdpa_dup"] / us["two_phase"], 2), "max_abs_err": error})  # fmt: skip
+                     "speedup": round(us["sdpa_dup"] / us["two_phase"], 2), "max_abs_err": error,
+                     "split_kv_graphed_us": round(us["split_kv"], 1),
+                     "split_kv_graphed": bench.device.startswith("cuda"),
+                     "split_kv_speedup": round(us["sdpa_dup"] / us["split_kv"], 2),
+                     "split_kv_max_abs_err": split_error})  # fmt: skip
         bench.on_progress(f"   {rows[-1]}")
     by = {r["label"]: r for r in rows}
     bench.gates += [
@@ -337,6 +349,22 @@ def attention_two_phase(bench: GpuBench) -> list[dict[str, Any]]:
         Gate("two_phase_vs_sdpa_16x1k", by["16x1k"]["speedup"], 1),
     ]
     return rows
+
+
+def _graphed(bench: GpuBench, fn: Callable[[], object]) -> Callable[[], object]:
+    """``fn`` captured once as a CUDA graph (its replay) on CUDA; ``fn`` itself elsewhere."""
+    if not bench.device.startswith("cuda"):
+        return fn
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up outside the graph
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
 
 
 def _time_us(bench: GpuBench, fn: Callable[[], object], calls: int = 50) -> float:

@@ -63,32 +63,35 @@ class StaticBatchStep:
             layer_keys[rows, :, lengths] = k[:, :, 0]
             layer_values[rows, :, lengths] = v[:, :, 0]
             scale = fused.layer.self_attn.scaling
-            out = self._attend(q[:, :, 0], shared_keys[index], shared_values[index], shared_visible,
-                               layer_keys[rows], layer_values[rows], private, scale)  # fmt: skip
+            out = split_kv_attention(q[:, :, 0], shared_keys[index], shared_values[index], shared_visible,
+                                     layer_keys[rows], layer_values[rows], private, scale, self.chunk)  # fmt: skip
             x = fused.finish(x, out.reshape(x.shape[0], 1, -1).to(x.dtype), False)
         return self._model.lm_head(rms_norm(decoder.norm, x))[:, -1]
 
-    def _attend(
-        self, query: torch.Tensor, shared_keys: torch.Tensor, shared_values: torch.Tensor, shared_visible: torch.Tensor,
-        own_keys: torch.Tensor, own_values: torch.Tensor, private: torch.Tensor, scale: float,
-    ) -> torch.Tensor:  # fmt: skip
-        """``query`` [B, H, D] over the shared pool [H_kv, S, D] (split in chunks) and each row's own
-        [B, H_kv, C, D]; merged [B, H, D] in float32."""
-        batch, heads, dim = query.shape
-        kv_heads, slots = shared_keys.shape[0], shared_keys.shape[1]
-        grouped = query.view(batch, kv_heads, heads // kv_heads, dim).float()  # [B, H_kv, n_rep, D]
-        chunk = self.chunk if slots % self.chunk == 0 else slots
-        parts = slots // chunk
-        k = shared_keys.float().view(kv_heads, parts, chunk, dim)
-        v = shared_values.float().view(kv_heads, parts, chunk, dim)
-        # every row's queries against every chunk in one matmul: [P, B, H_kv, n_rep, chunk]
-        scores = torch.einsum("bgrd,gpsd->pbgrs", grouped, k) * scale
-        visible = shared_visible.view(batch, parts, chunk).transpose(0, 1)[:, :, None, None, :]
-        shared_out, shared_lse = _softmax_parts(scores, visible, v.permute(1, 0, 2, 3)[:, None])
-        own = torch.einsum("bgrd,bgsd->bgrs", grouped, own_keys.float()) * scale  # [B, H_kv, n_rep, C]
-        own_out, own_lse = _softmax_parts(own[None], private[None, :, None, None, :], own_values.float()[None])
-        merged = _merge(torch.cat([own_out, shared_out]), torch.cat([own_lse, shared_lse]))
-        return merged.reshape(batch, heads, dim)
+
+def split_kv_attention(
+    query: torch.Tensor, shared_keys: torch.Tensor, shared_values: torch.Tensor, shared_visible: torch.Tensor,
+    own_keys: torch.Tensor, own_values: torch.Tensor, private: torch.Tensor, scale: float, chunk: int = SHARED_CHUNK,
+) -> torch.Tensor:  # fmt: skip
+    """``query`` [B, H, D] over the shared pool ``shared_keys``/``shared_values`` [H_kv, S, D] (the slots each row
+    sees: ``shared_visible`` [B, S] bool), split in parts of ``chunk`` slots, and over each row's own
+    [B, H_kv, C, D] (``private`` [B, C] bool); the parts merged by log-sum-exp, [B, H, D] in float32. No shape
+    depends on a length: capturable as it is."""
+    batch, heads, dim = query.shape
+    kv_heads, slots = shared_keys.shape[0], shared_keys.shape[1]
+    grouped = query.view(batch, kv_heads, heads // kv_heads, dim).float()  # [B, H_kv, n_rep, D]
+    chunk = chunk if slots % chunk == 0 else slots
+    parts = slots // chunk
+    k = shared_keys.float().view(kv_heads, parts, chunk, dim)
+    v = shared_values.float().view(kv_heads, parts, chunk, dim)
+    # every row's queries against every chunk in one matmul: [P, B, H_kv, n_rep, chunk]
+    scores = torch.einsum("bgrd,gpsd->pbgrs", grouped, k) * scale
+    visible = shared_visible.view(batch, parts, chunk).transpose(0, 1)[:, :, None, None, :]
+    shared_out, shared_lse = _softmax_parts(scores, visible, v.permute(1, 0, 2, 3)[:, None])
+    own = torch.einsum("bgrd,bgsd->bgrs", grouped, own_keys.float()) * scale  # [B, H_kv, n_rep, C]
+    own_out, own_lse = _softmax_parts(own[None], private[None, :, None, None, :], own_values.float()[None])
+    merged = _merge(torch.cat([own_out, shared_out]), torch.cat([own_lse, shared_lse]))
+    return merged.reshape(batch, heads, dim)
 
 
 def _softmax_parts(
