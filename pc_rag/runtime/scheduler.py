@@ -380,7 +380,7 @@ class Scheduler:
         for live in rows:
             for segment in live.segments:
                 readers.setdefault(id(segment), (segment, []))[1].append(live.row)
-        reads = [SharedRead(s, torch.tensor(r, device=self.lm.device)) for s, r in readers.values()]
+        reads = [SharedRead(s, torch.tensor(r, device=self.lm.device), tuple(r)) for s, r in readers.values()]
         device = self.lm.device
         tokens = torch.tensor([live.token for live in rows], device=device)
         positions = torch.tensor([live.entry.request.next_position + live.step - 1 for live in rows], device=device)

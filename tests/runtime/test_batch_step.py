@@ -174,7 +174,7 @@ def test_the_static_step_equals_the_batched_step(tokenizer, chunk: int) -> None:
             lengths, rows, visible = _static_inputs(ours, 4)
             mine = static(tokens, ours.positions + i, lengths, rows, ours.pool.keys, ours.pool.values, visible,
                           ours.arena.keys, ours.arena.values)  # fmt: skip
-            ours.arena.lengths[:4] += 1
+            ours.arena.advance(4)
             reference = step(tokens, theirs.positions + i, theirs.arena, theirs.pool, theirs.reads())
             torch.testing.assert_close(mine, reference, rtol=1e-5, atol=1e-5)
             tokens = reference.argmax(-1)
@@ -201,5 +201,5 @@ def test_the_static_step_compiles_whole_and_once_for_any_lengths(tokenizer) -> N
             args = (tokens, batch.positions + i, lengths, rows, batch.pool.keys, batch.pool.values, visible)
             expected = static(*args, batch.arena.keys.clone(), batch.arena.values.clone())
             torch.testing.assert_close(compiled(*args, batch.arena.keys, batch.arena.values), expected)
-            batch.arena.lengths[:4] += 1
+            batch.arena.advance(4)
     assert counter.frame_count == 1, "recompiled for new lengths"
