@@ -206,10 +206,14 @@ def test_graphed_forward_equals_the_eager_one_on_cuda(tokenizer, arch: str) -> N
     with torch.inference_mode():
         for buffer in (graphed, eager):
             model(input_ids=torch.tensor([prompt], device="cuda"), cache=buffer.cache(0), use_cache=True)
-        logits, cache = runner.forward(graphed, len(prompt), [7, 8, 9], [20, 21, 22])
+        cached = graphed.keys[..., : len(prompt), :].clone()
+        logits, cache = runner.forward(graphed, len(prompt), [7, 8, 9], [20, 21, 22])  # captures every bucket
+        assert torch.equal(graphed.keys[..., : len(prompt), :], cached), "a capture wrote over cached tokens"
         reference = _plain(model, eager.cache(len(prompt)), [7, 8, 9], [20, 21, 22])
         assert _relative(logits, reference) < 1e-4
         for position, token in enumerate([10, 11, 12], start=23):
             step = runner.decode(token, position, cache)
             reference = _plain(model, eager.cache(cache.get_seq_length() - 1), [token], [position])
             assert _relative(step, reference) < 1e-4, f"step at {position}"
+    calls = runner.take_calls()
+    assert (calls["static"], calls["fallback"]) == (4, 0), calls
