@@ -116,6 +116,8 @@ def _static_runner(model) -> ModelRunner:
 
 def _prefilled(model, capacity: int, prompt: list[int]) -> KVBuffer:
     buffer = allocate(model, capacity)
+    buffer.keys.zero_()  # fresh memory may hold NaN, which a masked slot of the static forward would still spread
+    buffer.values.zero_()
     with torch.inference_mode():
         model(input_ids=torch.tensor([prompt]), cache=buffer.cache(0), use_cache=True)
     return buffer
