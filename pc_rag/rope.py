@@ -12,7 +12,7 @@ and rotates tensors.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from transformers import PreTrainedModel
@@ -48,6 +48,16 @@ class RopeSpec:
     inv_freq: tuple[torch.Tensor, ...]
     layer_freq: tuple[int, ...]
     head_dim: int
+    # float64 copies of the tables per device, made once: a re-rotation on a GPU then copies nothing from the host
+    _on_device: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict, compare=False, repr=False)
+
+    def table(self, index: int, device: torch.device) -> torch.Tensor:
+        """Frequency table ``index`` in float64 on ``device`` (copied there once)."""
+        key = (index, str(device))
+        found = self._on_device.get(key)
+        if found is None:
+            found = self._on_device[key] = self.inv_freq[index].to(device=device, dtype=torch.float64)
+        return found
 
     @property
     def num_layers(self) -> int:
@@ -55,7 +65,7 @@ class RopeSpec:
 
     def rotate(self, keys: torch.Tensor, delta: int | torch.Tensor, layer: int) -> torch.Tensor:
         """Return ``keys`` ([..., S, D], post-RoPE) moved by ``delta`` positions (int or [S])."""
-        return rotate_keys(keys, delta, self.inv_freq[self.layer_freq[layer]])
+        return rotate_keys(keys, delta, self.table(self.layer_freq[layer], keys.device))
 
     def rotate_differentiable(self, keys: torch.Tensor, delta: int, layer: int) -> torch.Tensor:
         """``rotate`` by ``delta`` with gradients flowing back to ``keys``."""
@@ -73,11 +83,11 @@ class RopeSpec:
         """Write stacked keys [L, ..., S, D] rotated by ``delta`` into ``out`` (same shape, e.g. a view of a cache
         buffer), in one pass when every layer shares a frequency table."""
         if len(self.inv_freq) == 1:
-            rotate_keys_into(out, keys, delta, self.inv_freq[0])
+            rotate_keys_into(out, keys, delta, self.table(0, keys.device))
             return
-        for table_index, table in enumerate(self.inv_freq):
+        for table_index in range(len(self.inv_freq)):
             idx = torch.tensor([i for i, t in enumerate(self.layer_freq) if t == table_index], device=keys.device)
-            out[idx] = rotate_keys(keys[idx], delta, table)
+            out[idx] = rotate_keys(keys[idx], delta, self.table(table_index, keys.device))
 
 
 def rotate_keys(keys: torch.Tensor, delta: int | torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
@@ -105,8 +115,11 @@ def rotate_keys_into(out: torch.Tensor, keys: torch.Tensor, delta: int | torch.T
     computed in float64 so re-rotation adds no error beyond the cast back."""
     half = inv_freq.shape[0]
     rotary_dim = 2 * half
-    delta_t = torch.as_tensor(delta, dtype=torch.float64, device=keys.device).reshape(-1, 1)
-    angles = delta_t * inv_freq.to(device=keys.device, dtype=torch.float64)  # [S or 1, R/2]
+    table = inv_freq.to(device=keys.device, dtype=torch.float64)  # no copy for ``RopeSpec.table``'s
+    if isinstance(delta, int):  # a host scalar: no host-to-device copy
+        angles = (table * float(delta))[None]  # [1, R/2]
+    else:
+        angles = delta.to(device=keys.device, dtype=torch.float64).reshape(-1, 1) * table  # [S, R/2]
     cos, sin = angles.cos().to(keys.dtype), angles.sin().to(keys.dtype)
     k1, k2 = keys[..., :half], keys[..., half:rotary_dim]
     o1, o2 = out[..., :half], out[..., half:rotary_dim]

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from pc_rag.bench import gpu
-from pc_rag.bench.gpu import SECTIONS, format_gates, run_gpu_bench
+from pc_rag.bench.gpu import SECTIONS, STATIC_GATE, TIMED, format_gates, run_gpu_bench
 from pc_rag.cli.app import main
 from pc_rag.errors import PCRagError
 
@@ -23,7 +23,7 @@ def result() -> dict:
 def test_every_section_runs_and_every_gate_is_reported_once(result: dict) -> None:
     assert all("error" not in section for section in result["sections"].values()), result["sections"]
     names = [g["name"] for g in result["gates"]]
-    expected = [name for _, gates in SECTIONS.values() for name in gates]
+    expected = [name for _, gates in SECTIONS.values() for name in gates] + [STATIC_GATE]
     assert sorted(names) == sorted(expected)
     for gate in result["gates"]:
         value, threshold = gate["value"], float(gate["threshold"].split()[1])
@@ -33,10 +33,28 @@ def test_every_section_runs_and_every_gate_is_reported_once(result: dict) -> Non
 
 
 def test_the_runner_equals_the_models_forward_and_batched_answers_match(result: dict) -> None:
-    fidelity = {g["name"]: g for g in result["gates"]}["runner_relative_logit_error"]
-    assert fidelity["met"], fidelity
+    gates = {g["name"]: g for g in result["gates"]}
+    for name in gpu.FIDELITY_GATES:  # logits, decode steps, every slot's KV, cached slots across captures
+        assert gates[name]["met"], gates[name]
+    row = result["sections"]["fidelity"]["rows"][0]
+    assert row["static"] and row["cached_values_changed"] == 0 and len(row["decode_relative_errors"]) == 4
+    for row in result["sections"]["attention"]["rows"]:  # the capturable split-KV form attends as SDPA does
+        assert row["split_kv_max_abs_err"] < 1e-5 and row["max_abs_err"] < 1e-5, row
     serving = result["sections"]["serving"]["rows"][0]
     assert serving["identical_to_served_alone"] and serving["identical_to_one_at_a_time"]
+
+
+def test_every_timed_call_took_the_static_path_the_gpu_would_replay(result: dict) -> None:
+    """On the CPU the runner's bookkeeping mode runs the static-shape path where CUDA replays a graph: every timed
+    cached request and decode step went through it, and each section says how many calls took which path."""
+    assert set(result["static_calls"]) == set(result["eager_fallbacks"]) == set(SECTIONS)
+    for name in TIMED:
+        assert result["eager_fallbacks"][name] == 0, (name, result["sections"][name]["runner_calls"])
+    for name in ("ttft", "decode", "serving"):
+        assert result["static_calls"][name] > 0, name
+    calls = result["sections"]["decode"]["runner_calls"]
+    assert calls["static"] >= 2 * 63, calls  # every decode step of the cached and full-prefill timed runs
+    assert {g["name"]: g for g in result["gates"]}[STATIC_GATE]["met"]
 
 
 def test_a_failing_section_is_recorded_and_its_gates_unmet(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -58,7 +76,7 @@ def test_cli_writes_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
     argv = ["--device", "cpu", "bench", "gpu", "--shape", "tiny", "--tokenizer", str(TOKENIZER)]
     assert main([*argv, "--only", "fidelity", "--runs", "1", "--json", str(out)]) == 0
     written = json.loads(out.read_text())
-    assert [g["name"] for g in written["gates"]] == ["runner_relative_logit_error"]
+    assert [g["name"] for g in written["gates"]] == gpu.FIDELITY_GATES
     assert "| runner_relative_logit_error |" in capsys.readouterr().out
 
 

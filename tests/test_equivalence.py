@@ -150,6 +150,19 @@ def test_rotation_into_a_buffer_equals_rotation(rotary_dim: int, delta: int | to
     assert torch.allclose(out, rotate_keys(keys, delta, inv_freq), atol=1e-6)
 
 
+def test_a_host_delta_rotates_as_a_device_one_with_tables_kept_per_device(tiny_lm: LoadedModel) -> None:
+    """An int delta multiplies the device table (no host-to-device copy) and gives the bits of the same delta
+    as a tensor; the float64 table is copied to a device once."""
+    rope = tiny_lm.rope
+    keys = torch.randn(rope.num_layers, 2, 7, rope.head_dim)
+    by_int, by_tensor = torch.empty_like(keys), torch.empty_like(keys)
+    rope.rotate_into(by_int, keys, 9)
+    rope.rotate_into(by_tensor, keys, torch.tensor([9]))
+    assert torch.equal(by_int, by_tensor)
+    assert rope.table(0, keys.device) is rope.table(0, keys.device)
+    assert rope.table(0, keys.device).dtype == torch.float64
+
+
 def test_positions_follow_schema(tokenizer) -> None:
     from pc_rag.layout import layout_schema
 

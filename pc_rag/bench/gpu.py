@@ -40,13 +40,14 @@ class Shape:
     kv_heads: int
     head_dim: int
     rope_theta: float
+    vocab: int = 0  # the real model's vocabulary (its lm_head and argmax cost); 0: the tokenizer's
     scale: int = 1  # contexts, batch sizes and private lengths are divided by this (tiny shapes on a CPU)
 
 
 SHAPES = {
-    "llama-3b": Shape("llama", 28, 3072, 8192, 24, 8, 128, 500000.0),
-    "llama-8b": Shape("llama", 32, 4096, 14336, 32, 8, 128, 500000.0),
-    "qwen-7b": Shape("qwen2", 28, 3584, 18944, 28, 4, 128, 1000000.0),
+    "llama-3b": Shape("llama", 28, 3072, 8192, 24, 8, 128, 500000.0, vocab=128256),
+    "llama-8b": Shape("llama", 32, 4096, 14336, 32, 8, 128, 500000.0, vocab=128256),
+    "qwen-7b": Shape("qwen2", 28, 3584, 18944, 28, 4, 128, 1000000.0, vocab=152064),
     "tiny": Shape("llama", 2, 128, 256, 4, 2, 32, 10000.0, scale=8),
 }
 
@@ -86,6 +87,10 @@ class GpuBench:
     sections: dict[str, Any] = field(default_factory=dict)
     lm: Any = None
     on_progress: Callable[[str], None] = print
+    static_calls: dict[str, int] = field(default_factory=dict)
+    eager_fallbacks: dict[str, int] = field(default_factory=dict)
+    interrupted: str | None = None  # the section a SIGINT (``timeout -s INT``) stopped
+    running: str | None = None  # the section running now
 
     def sync(self) -> None:
         if self.device.startswith("cuda"):
@@ -102,21 +107,45 @@ class GpuBench:
 
     def section(self, name: str, body: Callable[[], Any], gates: list[str]) -> None:
         """Run ``body`` (it appends gates); on failure record the error and ``gates`` as unmet."""
-        began = time.perf_counter()
+        self.running, began = name, time.perf_counter()
         self.on_progress(f"== {name}")
+        runner = self.runner()
+        runner.take_calls()
         try:
             self.sections[name] = {"rows": body(), "seconds": round(time.perf_counter() - began, 1)}
+        except KeyboardInterrupt:
+            self.sections[name] = {"error": "interrupted (SIGINT)", "seconds": round(time.perf_counter() - began, 1)}
+            raise
         except Exception as e:  # noqa: BLE001 - a failed section is a result of the benchmark, and the rest still run
             self.sections[name] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-3000:]}
             self.gates.extend(Gate(g, None, 0) for g in gates if g not in {x.name for x in self.gates})
             self.on_progress(f"   {name} failed: {type(e).__name__}: {e}")
+        finally:
+            from pc_rag.runtime.model_runner import CALL_KINDS
+
+            calls = runner.take_calls()
+            self.static_calls[name], self.eager_fallbacks[name] = calls["static"], calls["fallback"]
+            self.sections[name]["runner_calls"] = {kind: calls[kind] for kind in CALL_KINDS}
+        self.running = None  # not reached when interrupted: the run's end reads which section was
+
+    def runner(self) -> Any:
+        """The model's runner: on the CPU in its bookkeeping mode, so every call CUDA would replay as a graph runs
+        the static-shape path (eagerly) and is counted."""
+        from pc_rag.runtime.model_runner import ModelRunner
+
+        runner = ModelRunner.of(self.lm.model)
+        if not runner.static and not self.device.startswith("cuda"):
+            runner.enable_static()
+        return runner
 
     def result(self, total_s: float) -> dict[str, Any]:
         device = torch.cuda.get_device_name() if self.device.startswith("cuda") else _cpu_name()
         return {
             "device": device, "torch": torch.__version__, "commit": _commit(), "shape": self.shape_name,
             "shape_config": self.shape.__dict__, "dtype": self.lm.compute_dtype if self.lm else None,
-            "gates": [g.as_json() for g in self.gates], "sections": self.sections, "total_s": round(total_s, 1),
+            "gates": [g.as_json() for g in self.gates], "static_calls": self.static_calls,
+            "eager_fallbacks": self.eager_fallbacks, "interrupted": self.interrupted, "sections": self.sections,
+            "total_s": round(total_s, 1),
         }  # fmt: skip
 
 
@@ -136,7 +165,7 @@ def build_model(shape: Shape, device: str, tokenizer_dir: Path) -> Any:
         raise PCRagError(msg) from e
     config_class = Qwen2Config if shape.arch == "qwen2" else LlamaConfig
     config = config_class(
-        vocab_size=len(tokenizer), hidden_size=shape.hidden, intermediate_size=shape.ffn,
+        vocab_size=max(len(tokenizer), shape.vocab), hidden_size=shape.hidden, intermediate_size=shape.ffn,
         num_hidden_layers=shape.layers, num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads,
         head_dim=shape.head_dim, max_position_embeddings=65536, tie_word_embeddings=True,
         rope_parameters={"rope_type": "default", "rope_theta": shape.rope_theta},
@@ -253,8 +282,9 @@ def decode_speed(bench: GpuBench, new_tokens: int = 64) -> list[dict[str, Any]]:
     for label, target in (("1k", 1024), ("8k", 8192)):
         name, prompt = _passages_prompt(pc, bench.tokens(target))
         ids = pc.full_prompt_ids(prompt)
-        pc.generate(prompt, max_new_tokens=4)  # warm-up: buffers, graphs
-        pc.generate_ids(ids, max_new_tokens=4)
+        # warm-up at the timed length: the same buffers (sized for the reply), so no capture lands in a timed run
+        pc.generate(prompt, max_new_tokens=new_tokens)
+        pc.generate_ids(ids, max_new_tokens=new_tokens)
         cached = statistics.median(per_s(pc.generate(prompt, max_new_tokens=new_tokens)) for _ in range(bench.runs))
         full = statistics.median(per_s(pc.generate_ids(ids, max_new_tokens=new_tokens)) for _ in range(bench.runs))
         rows.append({"label": label, "context": len(ids), "cached_tokens_per_s": round(cached, 1),
@@ -273,10 +303,12 @@ def decode_speed(bench: GpuBench, new_tokens: int = 64) -> list[dict[str, Any]]:
 
 
 def attention_two_phase(bench: GpuBench) -> list[dict[str, Any]]:
-    """One layer's decode-step attention: two-phase partition attention against SDPA over duplicated KV."""
+    """One layer's decode-step attention: two-phase partition attention against SDPA over duplicated KV; and the
+    capturable split-KV form (``StaticBatchStep``'s), replayed as a CUDA graph on CUDA (no gate yet)."""
     import torch.nn.functional as F
 
     from pc_rag.runtime.partition_attention import SharedRun, partition_attention, private_mask
+    from pc_rag.runtime.static_batch_step import split_kv_attention
 
     config = bench.lm.model.config
     heads, kv_heads, dim = config.num_attention_heads, config.num_key_value_heads, bench.shape.head_dim
@@ -295,11 +327,21 @@ def attention_two_phase(bench: GpuBench) -> list[dict[str, Any]]:
         dup_v = torch.cat([shared[1].expand(batch, -1, -1, -1), private[1]], 2).contiguous()
         two_phase = partial(partition_attention, q, runs, private[0], private[1], mask, dim**-0.5)
         sdpa = partial(F.scaled_dot_product_attention, q[:, :, None], dup_k, dup_v, scale=dim**-0.5, enable_gqa=True)
-        error = float((two_phase().float() - sdpa()[:, :, 0].float()).abs().max())
-        us = {name: _time_us(bench, fn) for name, fn in (("two_phase", two_phase), ("sdpa_dup", sdpa))}
+        split_kv = partial(split_kv_attention, q, shared[0], shared[1],
+                           torch.ones(batch, shared_len, dtype=torch.bool, device=device), private[0], private[1],
+                           torch.ones(batch, private_len, dtype=torch.bool, device=device), dim**-0.5)  # fmt: skip
+        reference = sdpa()[:, :, 0].float()
+        error = float((two_phase().float() - reference).abs().max())
+        split_error = float((split_kv().float() - reference).abs().max())
+        us = {name: _time_us(bench, fn) for name, fn in (("two_phase", two_phase), ("sdpa_dup", sdpa),
+                                                          ("split_kv", _graphed(bench, split_kv)))}  # fmt: skip
         rows.append({"label": label, "batch": batch, "shared": shared_len, "private": private_len,
                      "two_phase_us": round(us["two_phase"], 1), "sdpa_dup_us": round(us["sdpa_dup"], 1),
-                     "speedup": round(us["sdpa_dup"] / us["two_phase"], 2), "max_abs_err": error})  # fmt: skip
+                     "speedup": round(us["sdpa_dup"] / us["two_phase"], 2), "max_abs_err": error,
+                     "split_kv_graphed_us": round(us["split_kv"], 1),
+                     "split_kv_graphed": bench.device.startswith("cuda"),
+                     "split_kv_speedup": round(us["sdpa_dup"] / us["split_kv"], 2),
+                     "split_kv_max_abs_err": split_error})  # fmt: skip
         bench.on_progress(f"   {rows[-1]}")
     by = {r["label"]: r for r in rows}
     bench.gates += [
@@ -307,6 +349,22 @@ def attention_two_phase(bench: GpuBench) -> list[dict[str, Any]]:
         Gate("two_phase_vs_sdpa_16x1k", by["16x1k"]["speedup"], 1),
     ]
     return rows
+
+
+def _graphed(bench: GpuBench, fn: Callable[[], object]) -> Callable[[], object]:
+    """``fn`` captured once as a CUDA graph (its replay) on CUDA; ``fn`` itself elsewhere."""
+    if not bench.device.startswith("cuda"):
+        return fn
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up outside the graph
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
 
 
 def _time_us(bench: GpuBench, fn: Callable[[], object], calls: int = 50) -> float:
@@ -342,41 +400,62 @@ def serving(bench: GpuBench) -> list[dict[str, Any]]:
     return [row]
 
 
-def graph_fidelity(bench: GpuBench) -> list[dict[str, Any]]:
-    """The runner's forward (replayed graphs on CUDA) against the model's own forward: relative logit error."""
-    from pc_rag.kv import allocate
-    from pc_rag.runtime.model_runner import ModelRunner
+FIDELITY_GATES = ["runner_relative_logit_error", "runner_decode_relative_logit_error", "runner_relative_kv_error",
+                  "capture_changed_cached_values"]  # fmt: skip
 
-    model = bench.lm.model
-    runner = ModelRunner.of(model)
+
+def graph_fidelity(bench: GpuBench, steps: int = 4) -> list[dict[str, Any]]:
+    """The runner (replayed graphs on CUDA, the static path on the CPU) against the model's own forward: the new
+    tokens' logits, then ``steps`` decode steps' logits, then every slot's key and value (random weights give
+    near-uniform attention, so a mask, RoPE or slot error barely moves the logits but shows in the KV); and the
+    cached slots, bit for bit, across the captures the first forward triggers."""
+    from pc_rag.kv import allocate
+
+    model, device = bench.lm.model, bench.device
+    runner = bench.runner()
     prompt = list(range(10, 10 + bench.tokens(1024)))
     ours, theirs = allocate(model, 4096), allocate(model, 4096)
-    device = bench.device
-    rows = []
+
+    def plain(cache: Any, ids: list[int], at: list[int]) -> torch.Tensor:
+        return model(input_ids=torch.tensor([ids], device=device), position_ids=torch.tensor([at], device=device),
+                     **with_cache(cache), use_cache=True).logits[0, -1]  # fmt: skip
+
+    def relative(a: torch.Tensor, b: torch.Tensor) -> float:
+        return float((a.float() - b.float()).abs().max() / b.float().abs().max())
+
     with torch.inference_mode():
         for buffer in (ours, theirs):
             model(input_ids=torch.tensor([prompt], device=device), **with_cache(buffer.cache(0)), use_cache=True)
+        cached = (ours.keys[..., : len(prompt), :].clone(), ours.values[..., : len(prompt), :].clone())
         ids, at = [5, 6, 7, 8], [len(prompt) + i for i in range(4)]
-        logits, _ = runner.forward(ours, len(prompt), ids, at)
-        reference = model(input_ids=torch.tensor([ids], device=device), position_ids=torch.tensor([at], device=device),
-                          **with_cache(theirs.cache(len(prompt))), use_cache=True).logits[0, -1]  # fmt: skip
-        error = float((logits.float() - reference.float()).abs().max() / reference.float().abs().max())
-        rows.append(
-            {
-                "graphs": runner.graphs,
-                "relative_error": error,
-                "argmax_equal": bool(logits.argmax() == reference.argmax()),
-            }
-        )
+        logits, cache = runner.forward(ours, len(prompt), ids, at)  # a new buffer: every bucket captured first
+        changed = sum(int((now != then).sum()) for now, then in zip(  # captures since: the same tensors, no slot
+            (ours.keys[..., : len(prompt), :], ours.values[..., : len(prompt), :]), cached, strict=True))  # fmt: skip
+        reference = plain(theirs.cache(len(prompt)), ids, at)
+        error, argmax_equal = relative(logits, reference), bool(logits.argmax() == reference.argmax())
+        step_errors = []
+        for position, token in enumerate(range(20, 20 + steps), start=at[-1] + 1):
+            length = cache.get_seq_length()
+            step = runner.decode(token, position, cache)
+            step_errors.append(relative(step, plain(theirs.cache(length), [token], [position])))
+        length = cache.get_seq_length()
+        kv_error = max(relative(mine[..., :length, :], want[..., :length, :])
+                       for mine, want in ((ours.keys, theirs.keys), (ours.values, theirs.values)))  # fmt: skip
+    row = {"graphs": runner.graphs, "static": runner.static, "relative_error": error,
+           "decode_relative_errors": step_errors, "relative_kv_error": kv_error, "cached_values_changed": changed,
+           "argmax_equal": argmax_equal}  # fmt: skip
     tolerance = 5e-2 if bench.lm.dtype == torch.bfloat16 else 1e-4
-    bench.gates.append(
-        Gate("runner_relative_logit_error", round(rows[0]["relative_error"], 5), tolerance, at_least=False, unit="")
-    )
-    return rows
+    bench.gates += [
+        Gate(FIDELITY_GATES[0], round(error, 5), tolerance, at_least=False, unit=""),
+        Gate(FIDELITY_GATES[1], round(max(step_errors), 5), tolerance, at_least=False, unit=""),
+        Gate(FIDELITY_GATES[2], round(kv_error, 5), tolerance, at_least=False, unit=""),
+        Gate(FIDELITY_GATES[3], changed, 0, at_least=False, unit="values"),
+    ]
+    return [row]
 
 
 SECTIONS: dict[str, tuple[Callable[[GpuBench], Any], list[str]]] = {
-    "fidelity": (graph_fidelity, ["runner_relative_logit_error"]),
+    "fidelity": (graph_fidelity, FIDELITY_GATES),
     "ttft": (ttft_prompt_cache, ["prompt_cache_speedup_2k", "prompt_cache_speedup_8k", "prompt_cache_speedup_32k",
                                  "prompt_cache_cached_ttft_2k_ms"]),
     "rag": (rag_modes, ["rag_prefix_speedup_1.3k", "rag_prefix_speedup_8k", "rag_default_speedup_1.3k",
@@ -387,6 +466,11 @@ SECTIONS: dict[str, tuple[Callable[[GpuBench], Any], list[str]]] = {
 }  # fmt: skip
 
 
+TIMED = ("ttft", "rag", "decode", "serving")
+"""The sections whose cached requests and decode steps are timed: each must take the static-shape path."""
+STATIC_GATE = "timed_eager_fallbacks"
+
+
 def run_gpu_bench(
     shape: str,
     device: str,
@@ -395,8 +479,13 @@ def run_gpu_bench(
     only: list[str] | None = None,
     runs: int = 3,
     on_progress: Callable[[str], None] = print,
+    on_result: Callable[[dict[str, Any]], None] | None = None,
 ) -> dict[str, Any]:
-    """Run the chosen sections (default: all) and return the JSON-ready result."""
+    """Run the chosen sections (default: all) and return the JSON-ready result.
+
+    ``on_result`` receives the result so far before the model is built and after every section (partial results
+    are results). A SIGINT (``KeyboardInterrupt``, as ``timeout -s INT`` sends) ends the run: the result says which
+    section it stopped (``interrupted``) and holds every section before it."""
     if shape not in SHAPES:
         msg = f"unknown shape {shape!r}: choose one of {', '.join(SHAPES)}"
         raise PCRagError(msg)
@@ -408,11 +497,40 @@ def run_gpu_bench(
         raise PCRagError("--device cuda, but torch sees no CUDA device (a CPU build of torch, or no GPU)")
     began = time.perf_counter()
     bench = GpuBench(shape, SHAPES[shape], device, tokenizer_dir, runs=runs, on_progress=on_progress)
-    bench.lm = build_model(bench.shape, device, tokenizer_dir)
-    for name, (body, gates) in SECTIONS.items():
-        if only is None or name in only:
-            bench.section(name, lambda body=body: body(bench), gates)
-    return bench.result(time.perf_counter() - began)
+    report = on_result or (lambda _: None)
+    try:
+        bench.interrupted = "build"  # until the model is built
+        report(bench.result(time.perf_counter() - began))
+        bench.lm = build_model(bench.shape, device, tokenizer_dir)
+        bench.interrupted = None
+        for name, (body, gates) in SECTIONS.items():
+            if only is None or name in only:
+                bench.section(name, lambda body=body: body(bench), gates)
+                _static_gate(bench)
+                report(bench.result(time.perf_counter() - began))
+    except KeyboardInterrupt:
+        bench.interrupted = bench.interrupted or bench.running or "between sections"
+        if bench.running is not None:
+            bench.sections.setdefault(bench.running, {"error": "interrupted (SIGINT)"})
+        on_progress(f"   interrupted in {bench.interrupted}: the result holds every section before it")
+        known = {g.name for g in bench.gates}
+        bench.gates += [Gate(g, None, 0) for name, (_, gates) in SECTIONS.items() if only is None or name in only
+                        for g in gates if g not in known]  # fmt: skip
+    result = bench.result(time.perf_counter() - began)
+    report(result)
+    return result
+
+
+def _static_gate(bench: GpuBench) -> None:
+    """Every timed cached request and decode step took the static-shape path (a graph replay on CUDA): the
+    eager fallbacks of the timed sections that ran, at most 0 (unmet, with no value, if one failed)."""
+    timed = [name for name in TIMED if name in bench.sections]
+    if not timed:
+        return
+    failed = any("error" in bench.sections[name] for name in timed)
+    value = None if failed else sum(bench.eager_fallbacks[name] for name in timed)
+    bench.gates = [g for g in bench.gates if g.name != STATIC_GATE]
+    bench.gates.append(Gate(STATIC_GATE, value, 0, at_least=False, unit="calls"))
 
 
 def format_gates(result: dict[str, Any]) -> str:

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -82,15 +84,27 @@ def check_args(args: argparse.Namespace) -> None:
 
 
 def run_bench_gpu(args: argparse.Namespace) -> int:
+    """Exit 0, or 130 when a SIGINT (``timeout -s INT``) cut the run; the JSON is rewritten after every section."""
     from pc_rag.bench.gpu import default_tokenizer_dir, format_gates, run_gpu_bench
 
     only = [s.strip() for s in args.only.split(",") if s.strip()] if args.only else None
     tokenizer = args.tokenizer or default_tokenizer_dir()
-    result = run_gpu_bench(args.shape, args.device, tokenizer, only=only, runs=args.runs)
-    print(format_gates(result))
-    if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=1, default=str) + "\n")
+    path: Path | None = args.json
+
+    def write(result: dict) -> None:
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            partial = path.with_name(path.name + ".partial")
+            partial.write_text(json.dumps(result, indent=1, default=str) + "\n")
+            partial.replace(path)  # atomic: a kill between sections leaves the last whole JSON
+
+    result = run_gpu_bench(args.shape, args.device, tokenizer, only=only, runs=args.runs, on_result=write)
+    print(format_gates(result), flush=True)
+    if result["interrupted"]:
+        # the JSON is written; a thread the interrupted section left (the serving driver waits on a scheduler that
+        # stopped) would hold the interpreter open until timeout's kill, costing the next shape its time
+        sys.stderr.flush()
+        os._exit(130)
     return 0
 
 

@@ -29,6 +29,7 @@ class PrivateArena:
         self.keys = torch.zeros(shape, dtype=dtype, device=device)  # [L, rows, H_kv, capacity, D]
         self.values = torch.zeros(shape, dtype=dtype, device=device)
         self.lengths = torch.zeros(rows, dtype=torch.long, device=device)
+        self.host_lengths = [0] * rows  # the same on the host: bookkeeping reads it without a device sync
         self.active = 0
 
     @property
@@ -47,7 +48,7 @@ class PrivateArena:
         row = self.active
         self.keys[:, row, :, :n] = keys
         self.values[:, row, :, :n] = values
-        self.lengths[row] = n
+        self.lengths[row] = self.host_lengths[row] = n
         self.active += 1
         return row
 
@@ -57,18 +58,24 @@ class PrivateArena:
         assert 0 <= row <= last, f"row {row} is not live"
         moved = None
         if row != last:
-            n = int(self.lengths[last])
+            n = self.host_lengths[last]
             self.keys[:, row, :, :n] = self.keys[:, last, :, :n]
             self.values[:, row, :, :n] = self.values[:, last, :, :n]
-            self.lengths[row] = n
+            self.lengths[row] = self.host_lengths[row] = n
             moved = last
-        self.lengths[last] = 0
+        self.lengths[last] = self.host_lengths[last] = 0
         self.active = last
         return moved
 
+    def advance(self, rows: int) -> None:
+        """One more entry in each of the first ``rows`` live rows (a decode step wrote them)."""
+        self.lengths[:rows] += 1
+        for row in range(rows):
+            self.host_lengths[row] += 1
+
     def reserve(self, tokens: int) -> None:
         """Room for ``tokens`` more entries in every live row (and ``tokens`` in a new one)."""
-        needed = max(tokens, int(self.lengths[: self.active].max()) + tokens if self.active else tokens)
+        needed = max(self.host_lengths[: self.active], default=0) + tokens
         if needed <= self.capacity:
             return
         capacity = _rounded(max(needed, 2 * self.capacity))

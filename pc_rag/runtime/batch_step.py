@@ -36,6 +36,12 @@ class SharedRead:
 
     segment: Segment
     rows: torch.Tensor  # [n] long, distinct
+    row_ids: tuple[int, ...] | None = None  # the same rows on the host (compared without a device sync)
+
+    def same_rows(self, other: SharedRead) -> bool:
+        if self.row_ids is not None and other.row_ids is not None:
+            return self.row_ids == other.row_ids
+        return torch.equal(self.rows, other.rows)
 
 
 class BatchDecodeStep:
@@ -69,14 +75,15 @@ class BatchDecodeStep:
         rotary = decoder.rotary_emb(x, positions[index, None])
         lengths = arena.lengths[:batch]
         # the private keys to read: the longest row's, rounded up (any multiple of CAPACITY_STEP gives the same bits)
-        private = min(arena.capacity, -(-(int(lengths.max()) + 1) // CAPACITY_STEP) * CAPACITY_STEP)
+        longest = max(arena.host_lengths[:batch])  # host bookkeeping: no device sync
+        private = min(arena.capacity, -(-(longest + 1) // CAPACITY_STEP) * CAPACITY_STEP)
         groups = _runs(reads) if pool is not None else []
         mask = private_mask(lengths + 1, private, x.dtype)  # after this step's token, the same in every layer
         for layer_index, layer in enumerate(self._layers):
             runs = [SharedRun(*pool.span(a, b, layer_index), readers, m) for a, b, readers, m in groups]
             keys, values = arena.keys[layer_index], arena.values[layer_index]
             x = layer(x, rotary, keys, values, rows, lengths, runs, mask)
-        arena.lengths[:batch] += 1
+        arena.advance(batch)
         return self._model.lm_head(rms_norm(decoder.norm, x))[:batch, -1]
 
 
@@ -87,15 +94,16 @@ def _runs(reads: Sequence[SharedRead]) -> list[tuple[int, int, torch.Tensor, tor
     A row's parts then merge in pool order, whoever else reads: alone or in a batch whose rows read the same
     segments, a row gets the same bits (rows that read different segments can split a run: then equal to fp32
     rounding; int8/int4 past ``KERNEL_ROWS`` rows: see the module docstring)."""
-    groups: list[tuple[list[Segment], torch.Tensor]] = []
+    groups: list[tuple[list[Segment], SharedRead]] = []
     for read in sorted(reads, key=lambda r: r.segment.start):
         last = groups[-1] if groups else None
-        if last is not None and read.segment.follows(last[0][-1]) and torch.equal(read.rows, last[1]):
+        if last is not None and read.segment.follows(last[0][-1]) and read.same_rows(last[1]):
             last[0].append(read.segment)
         else:
-            groups.append(([read.segment], read.rows))
+            groups.append(([read.segment], read))
     runs = []
-    for segments, readers in groups:
+    for segments, first in groups:
+        readers = first.rows
         start, end = segments[0].start, segments[-1].end
         mask = None
         if len(segments) > 1:

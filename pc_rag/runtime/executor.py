@@ -21,7 +21,7 @@ from pc_rag.kv import BufferPool, KVBuffer
 from pc_rag.model import LoadedModel
 from pc_rag.model_call import ModelCall, with_cache
 from pc_rag.recompute import recompute_and_prefill
-from pc_rag.runtime.model_runner import ModelRunner
+from pc_rag.runtime.model_runner import ModelRunner, padded_count
 from pc_rag.runtime.request import Request
 from pc_rag.runtime.threads import adapt_threads
 
@@ -58,8 +58,10 @@ def splice_request(lm: LoadedModel, buffers: BufferPool, request: Request) -> tu
 
     The caller releases the buffer (``buffers.release``)."""
     check_length(lm, request.next_position)
-    buffer = buffers.acquire(request.spliced + len(request.new_ids) + request.params.max_new_tokens)
+    new, runner = len(request.new_ids), ModelRunner.of(lm.model)
+    buffer = buffers.acquire(request.spliced + max(padded_count(new), new + request.params.max_new_tokens))
     try:
+        runner.prepare(buffer)  # a new buffer's buckets are captured now, before its first timed forward
         return buffer, splice(buffer, lm.rope, [(part.kv, part.shift) for part in request.parts])
     except BaseException:
         buffers.release(buffer)

@@ -21,12 +21,13 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import PreTrainedModel
 
 from pc_rag.assemble import forward_new_tokens
@@ -39,8 +40,13 @@ logger = logging.getLogger(__name__)
 
 PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512)
 """Padded new-token counts a graph is captured for; longer forwards are compute-bound and run eagerly."""
-MAX_GRAPHS = 32
-"""Captured graphs kept per model (least recently used dropped): each pins its buffer and a little memory."""
+MAX_GRAPHS = 64
+"""Captured graphs kept per model (least recently used dropped): each pins its buffer's tensors and a little
+memory; a buffer's first use captures one per bucket that fits it (7 at most)."""
+CALL_KINDS = ("static", "fallback", "long", "captures")
+"""What ``ModelRunner.calls`` counts: calls on the static-shape path (graph replays on CUDA), calls a bucket held
+but that ran eagerly (no static path, or a buffer too small), forwards longer than every bucket (eager by design),
+and bucket captures."""
 
 
 def bucket_for(count: int, buckets: Sequence[int] = PREFILL_BUCKETS) -> int | None:
@@ -48,6 +54,21 @@ def bucket_for(count: int, buckets: Sequence[int] = PREFILL_BUCKETS) -> int | No
     if count == 1:
         return 1
     return next((b for b in buckets if b >= count), None)
+
+
+SDPA_BACKENDS = {
+    "cuda": [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH],
+    "cpu": [SDPBackend.FLASH_ATTENTION, SDPBackend.MATH],
+}
+"""The static forward's attention kernels, pinned so that a capture records the kernel that was measured: on CUDA
+memory-efficient attention (it takes the boolean mask; flash does not, cuDNN re-plans per shape), math only where
+it cannot run (slower, not a crash in the one GPU call); the CPU keeps its own choice (flash with a mask)."""
+
+
+def padded_count(count: int) -> int:
+    """The slots a forward of ``count`` new tokens needs in its buffer: its bucket, or ``count`` beyond every bucket
+    (size buffers with it, or a cached request just under a capacity runs eagerly)."""
+    return bucket_for(count) or count
 
 
 class StaticForward:
@@ -86,8 +107,9 @@ class StaticForward:
         visible = torch.arange(capacity, device=tokens.device)[None, :] <= slots[:, None]  # [T, C]
         x = decoder.embed_tokens(tokens)  # [1, T, hidden]
         rotary = decoder.rotary_emb(x, positions)
-        for index, fused in enumerate(self._layers):
-            x = self._layer(fused, x, rotary, keys[index], values[index], slots, visible)
+        with sdpa_kernel(SDPA_BACKENDS["cuda" if keys.is_cuda else "cpu"]):
+            for index, fused in enumerate(self._layers):
+                x = self._layer(fused, x, rotary, keys[index], values[index], slots, visible)
         hidden = rms_norm(decoder.norm, x)[0].index_select(0, last)  # [1, hidden]
         return self._model.lm_head(hidden)[0]
 
@@ -113,39 +135,88 @@ class StaticForward:
         mask = visible.repeat(n_rep, 1)[None, None]  # [1, 1, n_rep * T, C]
         scale = fused.layer.self_attn.scaling
         out = F.scaled_dot_product_attention(folded, keys, values, attn_mask=mask, scale=scale)
-        out = out.view(1, kv_heads * n_rep, count, head_dim).transpose(1, 2).reshape(1, count, -1)
+        out = out.reshape(1, kv_heads * n_rep, count, head_dim).transpose(1, 2).reshape(1, count, -1)
         return fused.finish(x, out, small)
 
 
-class GraphedForward:
-    """A ``StaticForward`` of one bucket over one buffer, captured as a CUDA graph; ``run`` replays it.
+def capture_length(capacity: int, bucket: int) -> int:
+    """The cached length a capture's forwards run at: the buffer's last ``bucket`` slots, which no real query reads.
 
-    Inputs are copied into the graph's own device tensors; the logits are a tensor the graph overwrites
-    (copy them before the next replay if they must outlive it)."""
+    A capture runs the forward (its warm-up writes keys and values, the graph replays write them again), so it must
+    not run at length 0: that would overwrite the first cached tokens of the request that triggers it. A request
+    uses a bucket only when ``length + bucket <= capacity``, so ``capacity - bucket`` is at or after its cached
+    length, and those slots are garbage the mask hides until a real token writes them."""
+    assert bucket <= capacity, f"bucket {bucket} does not fit a buffer of {capacity} slots"
+    return capacity - bucket
 
-    def __init__(self, forward: StaticForward, buffer: KVBuffer, bucket: int, pool: Any) -> None:
-        device = buffer.keys.device
-        self.buffer, self.bucket = buffer, bucket
-        # every input in one device tensor, so a replay's inputs arrive in one copy: tokens, positions, length, last
+
+class BucketForward:
+    """A ``StaticForward`` of one bucket over one buffer's tensors, run eagerly: the path CUDA captures as a graph.
+
+    Inputs live in one device tensor (tokens, positions, length, last) that ``run`` fills, as a graph's must. On
+    the CPU this is the bookkeeping twin of ``GraphedForward``: the same inputs, the same warm-up at
+    ``capture_length``, the same forward, no graph. It holds the buffer's tensors (not the mutable ``KVBuffer``),
+    so a regrown buffer cannot leave it writing freed memory."""
+
+    def __init__(self, forward: StaticForward, keys: torch.Tensor, values: torch.Tensor, bucket: int) -> None:
+        self.forward, self.keys, self.values, self.bucket = forward, keys, values, bucket
+        device = keys.device
         self.inputs = torch.zeros(2 * bucket + 2, dtype=torch.long, device=device)
         self.tokens, self.positions = self.inputs[:bucket].view(1, bucket), self.inputs[bucket:-2].view(1, bucket)
         self.length, self.last = self.inputs[-2:-1], self.inputs[-1:]
-        args = (self.tokens, self.positions, self.length, self.last, buffer.keys, buffer.values)
+        self.length.fill_(capture_length(keys.shape[-2], bucket))
+        self.warm_up()
+
+    @property
+    def args(self) -> tuple[torch.Tensor, ...]:
+        return (self.tokens, self.positions, self.length, self.last, self.keys, self.values)
+
+    def warm_up(self) -> None:
+        """One forward at ``capture_length`` (lazy inits, autotuning); it writes only the buffer's last slots."""
+        self.logits = self.forward(*self.args)
+
+    def stage(self, ids: Sequence[int], positions: Sequence[int], length: int) -> None:
+        """Copy one request's inputs into ``inputs`` (padding: token 0 at the last real position)."""
+        count = len(ids)
+        assert 0 < count <= self.bucket and length + self.bucket <= self.keys.shape[-2]
+        padded_ids = [*ids, *([0] * (self.bucket - count))]
+        padded_positions = [*positions, *([positions[-1]] * (self.bucket - count))]
+        staged = torch.tensor([*padded_ids, *padded_positions, length, count - 1])
+        if self.inputs.device.type == "cuda":
+            self.inputs.copy_(staged.pin_memory(), non_blocking=True)
+        else:
+            self.inputs.copy_(staged)
+
+    def run(self, ids: Sequence[int], positions: Sequence[int], length: int) -> torch.Tensor:
+        """The logits [V] of the last of ``ids`` at ``positions`` after ``length`` cached tokens."""
+        self.stage(ids, positions, length)
+        return self.forward(*self.args)
+
+
+class GraphedForward(BucketForward):
+    """A ``BucketForward`` captured as a CUDA graph; ``run`` replays it.
+
+    The logits are a tensor the graph overwrites (copy them before the next replay if they must outlive it)."""
+
+    def __init__(
+        self, forward: StaticForward, keys: torch.Tensor, values: torch.Tensor, bucket: int, pool: Any
+    ) -> None:
+        self._pool = pool
+        super().__init__(forward, keys, values, bucket)
+
+    def warm_up(self) -> None:
+        device = self.keys.device
         stream = torch.cuda.Stream(device)
         stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(stream):  # warm-up outside the graph: lazy inits and autotuning happen here
-            forward(*args)
+            super().warm_up()
         torch.cuda.current_stream(device).wait_stream(stream)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=pool):
-            self.logits = forward(*args)
+        with torch.cuda.graph(self.graph, pool=self._pool):
+            self.logits = self.forward(*self.args)
 
     def run(self, ids: Sequence[int], positions: Sequence[int], length: int) -> torch.Tensor:
-        count = len(ids)
-        padded_ids = [*ids, *([0] * (self.bucket - count))]
-        padded_positions = [*positions, *([positions[-1]] * (self.bucket - count))]
-        staged = torch.tensor([*padded_ids, *padded_positions, length, count - 1]).pin_memory()
-        self.inputs.copy_(staged, non_blocking=True)
+        self.stage(ids, positions, length)
         self.graph.replay()
         return self.logits
 
@@ -154,7 +225,10 @@ class ModelRunner:
     """The forwards of one model: ``forward`` (new tokens after a spliced cache) and ``decode`` (one token).
 
     ``graphs``: capture and replay CUDA graphs (default: on when the model is on CUDA and ``StaticForward``
-    describes it). Graphs are keyed by buffer and bucket and kept in an LRU of ``MAX_GRAPHS``.
+    describes it). ``static``: run the static-shape path where a graph would replay (default: ``graphs``);
+    static without graphs is the CPU's bookkeeping mode (``enable_static``): every call takes the path CUDA
+    captures, eagerly. Bucket forwards are keyed by the buffer's key and value addresses, its capacity and the
+    bucket, and kept in an LRU of ``MAX_GRAPHS``. ``calls`` counts what each call took (``CALL_KINDS``).
     """
 
     def __init__(self, model: PreTrainedModel, graphs: bool | None = None) -> None:
@@ -165,9 +239,11 @@ class ModelRunner:
         if self.graphs and (self.device.type != "cuda" or self._static is None):
             msg = f"CUDA graphs need a CUDA model that StaticForward describes (device {self.device})"
             raise ValueError(msg)
-        self._captured: OrderedDict[tuple[int, int, int], GraphedForward] = OrderedDict()
+        self.static = self.graphs
+        self.calls: Counter[str] = Counter()
+        self._captured: OrderedDict[tuple[int, int, int, int], BucketForward] = OrderedDict()
         self._pool = torch.cuda.graph_pool_handle() if self.graphs else None
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
 
     @classmethod
     def of(cls, model: PreTrainedModel) -> ModelRunner:
@@ -177,28 +253,49 @@ class ModelRunner:
         assert runner is not None
         return runner
 
+    def enable_static(self) -> None:
+        """Run the static-shape path without graphs (the CPU's bookkeeping mode: what CUDA would replay)."""
+        if self._static is None:
+            msg = f"{type(self.model).__name__} has no static forward: StaticForward does not describe it"
+            raise ValueError(msg)
+        self.static = True
+
+    def take_calls(self) -> Counter[str]:
+        """The call counts since the last take, and reset them."""
+        with self._lock:
+            calls, self.calls = self.calls, Counter()
+        return calls
+
     @torch.inference_mode()
     def forward(
         self, buffer: KVBuffer, length: int, ids: Sequence[int], positions: Sequence[int]
     ) -> tuple[torch.Tensor, BufferCache]:
         """Run ``ids`` at ``positions`` after ``length`` cached tokens of ``buffer``; last logits [V] and the cache."""
-        bucket = bucket_for(len(ids)) if self.graphs else None
-        if bucket is None or length + bucket > buffer.keys.shape[-2]:
+        bucket = bucket_for(len(ids))
+        if bucket is None:
+            self._count("long")
             return forward_new_tokens(self.model, buffer, length, ids, positions)
-        logits = self._graph(buffer, bucket, length).run(ids, positions, length)
-        cache = buffer.cache(length + len(ids))
-        return logits.clone(), cache
+        if not self.static or length + bucket > buffer.keys.shape[-2]:
+            self._count("fallback")
+            if self.static:
+                logger.warning("eager fallback: %d cached + bucket %d > capacity %d", length, bucket,
+                               buffer.keys.shape[-2])  # fmt: skip
+            return forward_new_tokens(self.model, buffer, length, ids, positions)
+        logits = self._bucket(buffer, bucket, length).run(ids, positions, length)
+        self._count("static")
+        return logits.clone(), buffer.cache(length + len(ids))
 
     @torch.inference_mode()
     def decode(self, token: int, position: int, cache: BufferCache) -> torch.Tensor:
         """The logits [V] after ``token`` at ``position``, written after the cache's tokens (the cache advances)."""
-        if not self.graphs:
+        if not self.static:
             return self.verify([token], position, cache)[0]
         length = cache.get_seq_length()
         buffer = cache.gathered(room=1)
-        logits = self._graph(buffer, 1, length).run([token], [position], length)
+        logits = self._bucket(buffer, 1, length).run([token], [position], length)
         for layer in cache.layers:
             layer.advance(1)
+        self._count("static")
         return logits.clone()
 
     @torch.inference_mode()
@@ -209,13 +306,14 @@ class ModelRunner:
         assert self.speculates, "verify runs the CPU's DecodeStep (CUDA graphs decode one token)"
         step = DecodeStep.of(self.model)
         assert step is not None, "decode needs a model DecodeStep describes (see DecodeStep.serves)"
+        self._count("fallback")  # eager: not the static path CUDA would replay
         return step(tokens, position, cache)
 
     @property
     def speculates(self) -> bool:
         """Whether ``verify`` runs: drafts cost nothing here (every step computes ``STEP_ROWS`` rows). Not under CUDA
-        graphs yet, whose decode bucket is one token."""
-        return not self.graphs and self._static is not None
+        graphs (nor their CPU bookkeeping mode) yet, whose decode bucket is one token."""
+        return not self.static and self._static is not None
 
     def serves(self, cache: object, call: ModelCall = PLAIN) -> bool:
         """Whether ``decode`` can step ``cache`` under ``call``: a batch-one buffer cache of a model the fused step
@@ -226,21 +324,51 @@ class ModelRunner:
         if call.is_plain:
             return True
         step = DecodeStep.of(self.model)
-        return not call.kwargs and not self.graphs and step is not None and step.reads_modules()
+        return not call.kwargs and not self.static and step is not None and step.reads_modules()
 
-    def _graph(self, buffer: KVBuffer, bucket: int, length: int) -> GraphedForward:
-        """The graph of ``bucket`` over ``buffer`` (captured on first use, when ``length`` tokens are cached)."""
-        assert self._static is not None
-        key = (buffer.keys.data_ptr(), buffer.keys.shape[-2], bucket)
+    @torch.inference_mode()
+    def prepare(self, buffer: KVBuffer, length: int = 0) -> None:
+        """Capture every bucket that fits ``buffer`` (``length`` tokens cached), once per buffer: call it when a
+        buffer is acquired, before any timer, so that no capture lands in a timed call."""
+        if self.static:
+            self._bucket(buffer, 1, length)
+
+    def _count(self, kind: str) -> None:
         with self._lock:
-            graph = self._captured.get(key)
-            if graph is None:
+            self.calls[kind] += 1
+
+    def _bucket(self, buffer: KVBuffer, bucket: int, length: int) -> BucketForward:
+        """The forward of ``bucket`` over ``buffer``. A buffer seen for the first time (``length`` tokens cached) has
+        the slots after them zeroed, then every bucket that fits after them captured (written only at
+        ``capture_length``)."""
+        assert self._static is not None
+        keys, values = buffer.keys, buffer.values
+        capacity = keys.shape[-2]
+        with self._lock:
+            if self._key(keys, values, 1) not in self._captured:
                 # a masked slot still enters P @ V with weight 0, so it must hold no NaN (fresh memory may)
-                buffer.keys[..., length:, :].zero_()
-                buffer.values[..., length:, :].zero_()
-                graph = GraphedForward(self._static, buffer, bucket, self._pool)
-                self._captured[key] = graph
-                if len(self._captured) > MAX_GRAPHS:
-                    self._captured.popitem(last=False)
+                keys[..., length:, :].zero_()
+                values[..., length:, :].zero_()
+                for size in (1, *PREFILL_BUCKETS):
+                    if length + size <= capacity:  # a bucket that fits no longer request is captured on first use
+                        self._capture(keys, values, size)
+            key = self._key(keys, values, bucket)
+            if key not in self._captured:  # evicted since: capture it alone
+                self._capture(keys, values, bucket)
             self._captured.move_to_end(key)
-            return graph
+            return self._captured[key]
+
+    @staticmethod
+    def _key(keys: torch.Tensor, values: torch.Tensor, bucket: int) -> tuple[int, int, int, int]:
+        return (keys.data_ptr(), values.data_ptr(), keys.shape[-2], bucket)
+
+    def _capture(self, keys: torch.Tensor, values: torch.Tensor, bucket: int) -> None:
+        assert self._static is not None
+        if self.graphs:
+            made: BucketForward = GraphedForward(self._static, keys, values, bucket, self._pool)
+        else:
+            made = BucketForward(self._static, keys, values, bucket)
+        self.calls["captures"] += 1
+        self._captured[self._key(keys, values, bucket)] = made
+        while len(self._captured) > MAX_GRAPHS:
+            self._captured.popitem(last=False)

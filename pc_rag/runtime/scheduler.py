@@ -57,7 +57,7 @@ class _Tokens(DecodedTokens):
     """The token ids of one batched request, as the worker decodes them; ``cancelled`` when the caller stops."""
 
     def __init__(self) -> None:
-        super().__init__(iter(()), [])
+        super().__init__([])
         self.queue: queue.SimpleQueue[object] = queue.SimpleQueue()
         self.cancelled = threading.Event()
 
@@ -345,12 +345,13 @@ class Scheduler:
         private.extend(range(offset, done.length))
         return segments, private
 
-    def _emit(self, live: _Live, logits: torch.Tensor) -> None:
-        """Sample the next token of ``live`` from ``logits`` [V] and send it; retire the request when it ends."""
+    def _emit(self, live: _Live, logits: torch.Tensor, greedy: int | None = None) -> None:
+        """Sample the next token of ``live`` from ``logits`` [V] (``greedy``: their argmax, if known) and send it;
+        retire the request when it ends."""
         params, tokens = live.entry.request.params, live.entry.tokens
         if live.step < params.keep_logits:
             tokens.step_logits.append(logits)
-        token = sample(logits, params, live.generator)
+        token = greedy if greedy is not None and params.temperature == 0 else sample(logits, params, live.generator)
         if tokens.cancelled.is_set() or token in self.stop_ids:
             self._retire(live)
             return
@@ -379,14 +380,15 @@ class Scheduler:
         for live in rows:
             for segment in live.segments:
                 readers.setdefault(id(segment), (segment, []))[1].append(live.row)
-        reads = [SharedRead(s, torch.tensor(r, device=self.lm.device)) for s, r in readers.values()]
+        reads = [SharedRead(s, torch.tensor(r, device=self.lm.device), tuple(r)) for s, r in readers.values()]
         device = self.lm.device
         tokens = torch.tensor([live.token for live in rows], device=device)
         positions = torch.tensor([live.entry.request.next_position + live.step - 1 for live in rows], device=device)
         assert self._step is not None
         logits = self._step(tokens, positions, self.arena, self.pool, reads)
-        for live, row_logits in zip(rows, logits, strict=True):
-            self._emit(live, row_logits)
+        best = logits.argmax(-1).tolist()  # one batched argmax, one device-to-host copy per step (greedy rows)
+        for live, row_logits, greedy in zip(rows, logits, best, strict=True):
+            self._emit(live, row_logits, greedy)
 
     def _step_alone(self) -> None:
         for entry, items in list(self._alone):

@@ -12,6 +12,7 @@ from pc_rag.kv import SpanKV, kv_shape
 from pc_rag.runtime.arena import PrivateArena
 from pc_rag.runtime.batch_step import BatchDecodeStep, SharedRead
 from pc_rag.runtime.shared_pool import SegmentKey, SharedKVPool
+from pc_rag.runtime.static_batch_step import StaticBatchStep
 from pc_rag.weights import KERNEL_ROWS
 
 DESCRIBED = ["llama", "llama3-scaled", "mistral", "qwen2", "qwen3"]
@@ -146,3 +147,59 @@ def test_a_row_gets_the_same_bits_alone_as_in_any_batch(tokenizer, arch: str, dt
 @pytest.mark.parametrize("arch", sorted(set(TINY_CONFIGS) - set(DESCRIBED)))
 def test_models_it_does_not_describe_get_no_step(tokenizer, arch: str) -> None:
     assert BatchDecodeStep.of(tiny_model(arch, tokenizer).model) is None
+
+
+def _static_inputs(batch: _Batch, rows: int) -> tuple[torch.Tensor, ...]:
+    """The static step's device inputs for ``_Batch``: lengths and rows, and each row's visible pool slots."""
+    slots = batch.pool.keys.shape[2]
+    visible = torch.zeros(rows, slots, dtype=torch.bool)
+    for segment, readers in zip(batch.segments, batch.readers, strict=True):
+        for r in readers:
+            visible[r, segment.start : segment.end] = True
+    return batch.arena.lengths[:rows].clone(), torch.arange(rows), visible
+
+
+@pytest.mark.parametrize("chunk", [32, 10_000])  # split-KV parts merged by log-sum-exp, or one part
+def test_the_static_step_equals_the_batched_step(tokenizer, chunk: int) -> None:
+    """``StaticBatchStep`` (device inputs only, capturable per batch-size bucket) gives the logits and the KV of
+    ``BatchDecodeStep`` over three steps."""
+    lm = tiny_in("llama", "float32", tokenizer)
+    step, static = BatchDecodeStep.of(lm.model), StaticBatchStep(lm.model, chunk=chunk)
+    assert step is not None
+    ours, theirs = _Batch(lm.model, torch.float32), _Batch(lm.model, torch.float32)
+    ours.arena.reserve(4)
+    tokens = torch.tensor([5, 77, 301, 9])
+    with torch.inference_mode():
+        for i in range(3):
+            lengths, rows, visible = _static_inputs(ours, 4)
+            mine = static(tokens, ours.positions + i, lengths, rows, ours.pool.keys, ours.pool.values, visible,
+                          ours.arena.keys, ours.arena.values)  # fmt: skip
+            ours.arena.advance(4)
+            reference = step(tokens, theirs.positions + i, theirs.arena, theirs.pool, theirs.reads())
+            torch.testing.assert_close(mine, reference, rtol=1e-5, atol=1e-5)
+            tokens = reference.argmax(-1)
+    n = int(theirs.arena.lengths.max())
+    torch.testing.assert_close(ours.arena.keys[:, :4, :, :n], theirs.arena.keys[:, :4, :, :n], rtol=1e-5, atol=1e-5)
+
+
+def test_the_static_step_compiles_whole_and_once_for_any_lengths(tokenizer) -> None:
+    """The nearest CPU proxy for "capturable": ``torch.compile(fullgraph=True)`` traces the static step with no graph
+    break (AOT autograd functionalizes its KV writes), and new lengths and visibility reuse the one graph."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    lm = tiny_in("llama", "float32", tokenizer)
+    static = StaticBatchStep(lm.model, chunk=32)
+    batch = _Batch(lm.model, torch.float32)
+    batch.arena.reserve(4)
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(static.__call__, backend=counter, fullgraph=True, dynamic=False)
+    tokens = torch.tensor([5, 77, 301, 9])
+    with torch.inference_mode():
+        for i in range(2):
+            lengths, rows, visible = _static_inputs(batch, 4)
+            args = (tokens, batch.positions + i, lengths, rows, batch.pool.keys, batch.pool.values, visible)
+            expected = static(*args, batch.arena.keys.clone(), batch.arena.values.clone())
+            torch.testing.assert_close(compiled(*args, batch.arena.keys, batch.arena.values), expected)
+            batch.arena.advance(4)
+    assert counter.frame_count == 1, "recompiled for new lengths"
