@@ -150,6 +150,8 @@ class ChatBody(_Body):
             raise _unsupported("a system message is only supported first")
         if messages and messages[-1].role != "user":
             raise _unsupported("the conversation must end with a user message")
+        if any(m.role == "user" and not m.text().strip() for m in messages):
+            raise PydanticCustomError("empty", "a user message is empty: send the question as text")
         return messages
 
     def conversation(self) -> tuple[str | None, list[tuple[str, str]]]:
@@ -191,10 +193,13 @@ def finish_reason(result: GenerationResult, max_new_tokens: int) -> str:
     return "length" if result.stats.new_tokens >= max_new_tokens else "stop"
 
 
-def usage(result: GenerationResult) -> dict[str, int]:
+def usage(result: GenerationResult) -> dict[str, object]:
     stats = result.stats
     prompt = stats.cached_tokens + stats.computed_tokens
-    return {"prompt_tokens": prompt, "completion_tokens": stats.new_tokens, "total_tokens": prompt + stats.new_tokens}
+    return {
+        "prompt_tokens": prompt, "completion_tokens": stats.new_tokens, "total_tokens": prompt + stats.new_tokens,
+        "prompt_tokens_details": {"cached_tokens": stats.cached_tokens},
+    }  # fmt: skip
 
 
 class Reply:
