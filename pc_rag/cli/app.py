@@ -82,6 +82,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     serve.add_argument("--queue-limit", type=_positive, default=64, help="waiting requests before 429 (default 64)")
     serve.add_argument(
+        "--prefix-cache-mb",
+        type=_non_negative,
+        default=512,
+        help="memory for the KV of conversation prefixes, reused turn to turn (default 512; 0: off)",
+    )
+    serve.add_argument(
         "--api-key",
         default=os.environ.get("PC_RAG_API_KEY") or None,
         help="the bearer key every /v1 request must send (default: $PC_RAG_API_KEY; none: open)",
@@ -181,6 +187,7 @@ def _run(args: argparse.Namespace) -> int:
     elif args.command == "serve":
         store_commands.serve(lm, args.store, host=args.host, port=args.port, mode=args.mode, max_batch=args.max_batch,
                              queue_limit=args.queue_limit, api_key=args.api_key,
+                             prefix_cache_mb=args.prefix_cache_mb,
                              **module_args.module_options(args))  # fmt: skip
     elif args.command == "bench":
         bench_commands.run_bench(args, lm)

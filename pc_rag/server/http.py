@@ -63,7 +63,7 @@ def create_app(server: PromptServer, *, api_key: str | None = None) -> Any:
 
     app = FastAPI(title="pc-rag", description="Prompt Cache RAG server, OpenAI-compatible")
     ids = ModelIds(server.model_name, store=server.store is not None)
-    metrics = ServerMetrics(scheduler, server.model_name)
+    metrics = ServerMetrics(scheduler, server.model_name, server.prefix_cache)
 
     class CancellingStream(StreamingResponse):
         """A stream that cancels its request however it stops: finished, failed, or its client gone."""
@@ -161,15 +161,15 @@ def create_app(server: PromptServer, *, api_key: str | None = None) -> Any:
     def chat(body: ChatBody) -> Any:
         route = ids.route(body.model)
         sampling = body.sampling(DEFAULT_MAX_TOKENS)
+        system, turns = body.conversation()
         if route.rag:
-            question, k = body.question(route.id), body.k or DEFAULT_K
-            handles, request = scheduler.call(lambda: server.rag_request(question, k, route.mode, **sampling))
+            k = body.k or DEFAULT_K
+            handles, request = scheduler.call(lambda: server.rag_chat_request(turns, system, k, route.mode, **sampling))
             return _respond(
                 Reply(route.id, True, {"sources": _sources(handles)}), request, body.stream, body.include_usage
             )
         if body.k is not None:
             raise RequestError(f"k retrieves from the store: use the model {ids.model}+rag", "k")
-        system, turns = body.conversation()
         request = scheduler.call(lambda: server.request_chat(turns, system, **sampling))
         return _respond(Reply(route.id, chat=True), request, body.stream, body.include_usage)
 

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 from pc_rag.generate import GenerationResult
 
 if TYPE_CHECKING:
+    from pc_rag.runtime.prefix_cache import PrefixCache
     from pc_rag.runtime.scheduler import Scheduler
 
 # vLLM's buckets for the same histograms (seconds)
@@ -26,7 +27,7 @@ E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 4
 class ServerMetrics:
     """The metrics of one server over ``scheduler``, labelled with ``model_name``; ``render()`` is the scrape."""
 
-    def __init__(self, scheduler: Scheduler, model_name: str) -> None:
+    def __init__(self, scheduler: Scheduler, model_name: str, prefix_cache: PrefixCache | None = None) -> None:
         try:
             from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
         except ImportError as e:
@@ -66,6 +67,8 @@ class ServerMetrics:
         kv = gauge("kv_cache_bytes", "Bytes of KV memory held, by kind.", ("kind",))
         for kind, read in scheduler.kv_memory().items():
             kv.labels(**name, kind=kind).set_function(read)
+        if prefix_cache is not None:
+            kv.labels(**name, kind="prefix_cache").set_function(prefix_cache.held_bytes)
 
     def finished(self, result: GenerationResult, finish_reason: str) -> None:
         """Count a request that ended with ``result``."""
