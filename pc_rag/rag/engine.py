@@ -299,21 +299,29 @@ class RagEngine:
         question: str,
         mode: str | RecoveryMode | None = None,
         *,
+        around: tuple[str, str] | None = None,
         prefix_cache: PrefixCache | None = None,
         **kwargs: object,
     ) -> Request:
         """The answer to the last user turn ``question`` of a conversation from ``chunks``: ``system`` (None: ours),
         the earlier ``(role, text)`` turns, then the documents and the question (``RagPrompt.conversation_head``).
-        The head's KV comes from ``prefix_cache`` where an earlier turn computed it; the rest is computed now."""
-        if not history and system is None:
+        ``around``: the last turn's own text before and after the documents, in place of the preamble and the
+        question template (a turn that carried module references). The head's KV comes from ``prefix_cache``
+        where an earlier turn computed it; the rest is computed now."""
+        if not history and system is None and around is None:
             return self.request(chunks, question, mode, **kwargs)
-        text = self.prompt.conversation_head(self.wrappers, system, history)
+        before, after = around if around is not None else (None, None)
+        text = self.prompt.conversation_head(self.wrappers, system, history, before)
         ids = tuple(self.tokenize(text))
+        if after is None:
+            tail = self._tail(question)
+        else:
+            tail_text = after + self.wrappers.close["user"] + self.wrappers.generation_prompt
+            tail = (tail_text, self.tokenize(tail_text))
         if prefix_cache is None:
-            pieces = _Pieces((text, ids), None, tuple(chunks), self._tail(question))
-            return self._request(pieces, self._mode(mode), **kwargs)
+            return self._request(_Pieces((text, ids), None, tuple(chunks), tail), self._mode(mode), **kwargs)
         head = prefix_cache.encode(self.lm.model, ids)
-        pieces = _Pieces((text, ids), head.kv, tuple(chunks), self._tail(question))
+        pieces = _Pieces((text, ids), head.kv, tuple(chunks), tail)
         return self._request(pieces, self._mode(mode), own_tokens=head.computed, **kwargs)
 
     def _with_stop(self, kwargs: dict[str, object]) -> dict[str, object]:

@@ -22,6 +22,7 @@ from pc_rag.engine import PromptCache
 from pc_rag.errors import PCRagError
 from pc_rag.generate import GenerationResult, ReplyStream, SamplingParams
 from pc_rag.model import LoadedModel
+from pc_rag.rag.chunk import Chunk
 from pc_rag.rag.condense import standalone_query
 from pc_rag.rag.engine import RagEngine
 from pc_rag.rag.markers import split_module_prompt
@@ -126,6 +127,17 @@ class PromptServer:
             ids = store.engine.full_ids(chunks, question)
             return ranked, full_request(ids, SamplingParams(**sampling))  # type: ignore[arg-type]
         return ranked, store.engine.request(chunks, question, self._mode(mode), **sampling)
+
+    def answer_chat(
+        self,
+        turns: Sequence[tuple[str, str]],
+        system: str | None = None,
+        k: int = 5,
+        mode: str | None = None,
+        **options: object,
+    ) -> Answer:
+        """``rag_chat_request`` answered: the conversation's last user turn from the store."""
+        return self._answer(lambda: self.rag_chat_request(turns, system, k, mode, **options))  # type: ignore[arg-type]
 
     def rag_chat_request(
         self,
@@ -236,14 +248,34 @@ class PromptServer:
         system = self.system if system is None else system
         if len(turns) == 1 and turns[0][0] == "user" and system == self.system:
             return self.request(turns[0][1], **sampling)
-        if any(split_module_prompt(content).refs for _, content in turns):
-            msg = (
-                "module references are served in a single user turn under the default system prompt; "
-                "this conversation has other turns or another system prompt"
-            )
-            raise PCRagError(msg)
         _check_settings(sampling)
+        if any(split_module_prompt(text).refs for text in (system, *(content for _, content in turns))):
+            return self._spliced_chat(system, list(turns), sampling)
         return self._turns_request(system, list(turns), sampling)
+
+    def _spliced_chat(self, system: str, turns: list[tuple[str, str]], sampling: dict[str, object]) -> Request:
+        """A conversation whose turns (the system turn included) carry module references: every referenced chunk
+        is spliced once, in order of appearance, before the last user turn's question, where this turn's own
+        references sit (``RagEngine.request_chat``); the turns keep their text around the references."""
+        if self.store is None:
+            msg = "module references are spliced from a document store, and this server has none: send plain text"
+            raise PCRagError(msg)
+        store = self.store
+        store.check_mode(self._mode(None))
+        chunks: dict[object, Chunk] = {}
+
+        def take(text: str) -> tuple[str, str]:
+            before, found, after = store.prompt_chunks(text)
+            chunks.update((chunk.source or id(chunk), chunk) for chunk in found)
+            return before, after
+
+        system_text = "".join(take(system))
+        history = [(role, "".join(take(content))) for role, content in turns[:-1]]
+        around = take(turns[-1][1])
+        return store.engine.request_chat(
+            system_text, history, list(chunks.values()), "", self._mode(None), around=around,
+            prefix_cache=self.prefix_cache, **sampling,
+        )  # fmt: skip
 
     def _turns_request(self, system: str, turns: list[tuple[str, str]], sampling: dict[str, object]) -> Request:
         """Full prefill of the conversation rendered through the model's chat template, then decoding."""

@@ -53,9 +53,7 @@ def _alone(reference: PromptServer, replies: list[openai.types.chat.ChatCompleti
     texts = []
     for question, reply in zip(QUESTIONS, replies, strict=True):
         turns.append(("user", question))
-        answer = reference._answer(
-            lambda t=list(turns): reference.rag_chat_request(t, SYSTEM["content"], 5, max_new_tokens=6)
-        )
+        answer = reference.answer_chat(list(turns), SYSTEM["content"], 5, max_new_tokens=6)
         texts.append(answer.text)
         turns.append(("assistant", reply.choices[0].message.content or ""))
     return texts
