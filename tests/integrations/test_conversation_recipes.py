@@ -40,10 +40,23 @@ def test_the_langchain_history_recipe_reads_the_history_from_the_cache(store) ->
     assert len(history) == 6 and "pc-rag-module" not in str([m.content for m in history])
 
 
-def test_the_llama_index_chat_engine_recipe_reads_the_history_from_the_cache(store) -> None:
+def test_the_llama_index_chat_engine_recipe_reads_the_history_from_the_cache(store, monkeypatch) -> None:
     pytest.importorskip("llama_index.core")
+    from pc_rag.server.prompt_server import PromptServer
+
+    calls: list[list[tuple[str, str]]] = []
+    request_chat = PromptServer.request_chat
+
+    def recorded(self, turns, system=None, **sampling):  # type: ignore[no-untyped-def]
+        calls.append([("system", system or ""), *turns])
+        return request_chat(self, turns, system, **sampling)
+
+    monkeypatch.setattr(PromptServer, "request_chat", recorded)
     scope: dict[str, object] = {"store": store}
     exec(compile(_recipe("CondensePlusContextChatEngine"), str(DOC), "exec"), scope)  # the docs, verbatim
     cached = scope["cached_tokens"]
     assert len(cached) == 3 and all(n > 0 for n in cached[1:])  # type: ignore[arg-type]
     assert scope["llm"].server.prefix_cache.hits > 0  # type: ignore[attr-defined]
+    answer = calls[-1]  # turn 3's answer: the history as chat turns, not flattened to "user: ..." text
+    assert [role for role, _ in answer[1:]] == ["user", "assistant", "user", "assistant", "user"]
+    assert not any(text.lstrip().startswith(("user:", "assistant:")) for _, text in answer)
