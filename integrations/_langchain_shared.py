@@ -14,6 +14,7 @@ from typing_extensions import Self  # typing.Self is 3.11+; langchain-core and p
 
 from pc_rag.engine import PromptCache
 from pc_rag.errors import PCRagError
+from pc_rag.runtime.prefix_cache import PrefixCache
 from pc_rag.runtime.scheduler import Scheduler
 from pc_rag.server.prompt_server import PromptServer
 from pc_rag.store.document_store import DocumentStore
@@ -54,17 +55,20 @@ class ServedModel(BaseModel):
     @classmethod
     def from_store(cls, store: DocumentStore, mode: str | None = None, *, batched: bool = False,
                    **settings: Any) -> Self:  # fmt: skip
-        """Serve module references to ``store``'s chunks with recovery ``mode`` (``None``: the store's); with
-        ``batched``, ``batch`` and concurrent calls decode together in a ``Scheduler`` of their own."""
+        """Serve module references to ``store``'s chunks with recovery ``mode`` (``None``: the store's), the KV of
+        conversation prefixes kept for the next turn (``PrefixCache``); with ``batched``, ``batch`` and concurrent
+        calls decode together in a ``Scheduler`` of their own."""
         scheduler = Scheduler(store.engine.lm) if batched else None
-        return cls(server=PromptServer(store=store, mode=mode, scheduler=scheduler), **settings)
+        server = PromptServer(store=store, mode=mode, scheduler=scheduler, prefix_cache=PrefixCache())
+        return cls(server=server, **settings)
 
     @classmethod
     def from_prompt_cache(cls, prompt_cache: PromptCache, *, batched: bool = False, **settings: Any) -> Self:
         """Serve PML prompts with ``prompt_cache``'s schemas (other text by full prefill); ``batched`` as in
         ``from_store``."""
         scheduler = Scheduler(prompt_cache.lm) if batched else None
-        return cls(server=PromptServer(prompt_cache=prompt_cache, scheduler=scheduler), **settings)
+        server = PromptServer(prompt_cache=prompt_cache, scheduler=scheduler, prefix_cache=PrefixCache())
+        return cls(server=server, **settings)
 
     @property
     def model_name(self) -> str:

@@ -1,8 +1,9 @@
 """LangChain chat model over a ``PromptServer``: conversations through the model's chat template, modules reused.
 
-``ChatPromptCache`` is a ``BaseChatModel``. A lone user message carrying module references (from
-``format_modules``) under the default system prompt is answered from cached KV; any other conversation is
-rendered with the tokenizer's chat template and served by full prefill. Replies stream, carry usage metadata
+``ChatPromptCache`` is a ``BaseChatModel``. Module references (from ``format_modules``) in any message, the
+system message included, are answered from the chunks' cached KV; the conversation is rendered with the
+tokenizer's chat template, its history's KV kept from turn to turn (``PrefixCache``: ``cache_read`` in the usage
+metadata counts it). Replies stream, carry usage metadata
 (prompt tokens cached and computed), and, when the model is built with ``batched=True``, concurrent calls
 (``batch``, ``abatch``, parallel chains) decode together in one ``Scheduler``. Tool calling and structured output
 are not built. This module knows nothing about retrieval or how prompts are routed: that is the server's.
@@ -126,8 +127,8 @@ class ChatPromptCache(ServedModel, BaseChatModel):
 
 
 def _conversation(messages: Sequence[BaseMessage]) -> tuple[str | None, list[tuple[str, str]]]:
-    """(system prompt or None, the user/assistant turns) of a LangChain conversation; leading system messages
-    are joined into one system prompt."""
+    """(system prompt or None, the turns after it) of a LangChain conversation; leading system messages are joined
+    into one system prompt, later ones are system turns where they stand."""
     leading = 0
     while leading < len(messages) and isinstance(messages[leading], SystemMessage):
         leading += 1
@@ -139,8 +140,10 @@ def _conversation(messages: Sequence[BaseMessage]) -> tuple[str | None, list[tup
             turns.append(("user", _text(message)))
         elif isinstance(message, AIMessage):
             turns.append(("assistant", _text(message)))
+        elif isinstance(message, SystemMessage):
+            turns.append(("system", _text(message)))
         else:
-            msg = f"{type(message).__name__} is not supported here: system messages first, then Human/AI messages"
+            msg = f"{type(message).__name__} is not supported here: use System, Human and AI messages"
             raise PCRagError(msg)
     if not turns or turns[-1][0] != "user":
         raise PCRagError("the conversation must end with a user (Human) message")

@@ -39,6 +39,7 @@ except ImportError as e:  # pragma: no cover - depends on the environment
 from pc_rag.engine import PromptCache
 from pc_rag.errors import PCRagError
 from pc_rag.generate import GenerationResult, GenerationStats, ReplyStream
+from pc_rag.runtime.prefix_cache import PrefixCache
 from pc_rag.server.prompt_server import SAMPLING_FIELDS, PromptServer
 from pc_rag.store.document_store import DocumentStore
 
@@ -82,12 +83,12 @@ class PromptCacheLLM(CustomLLM):
     @classmethod
     def from_store(cls, store: DocumentStore, mode: str | None = None, **settings: Any) -> PromptCacheLLM:
         """Serve module references to ``store``'s chunks with recovery ``mode`` (``None``: the store's)."""
-        return cls(PromptServer(store=store, mode=mode), **settings)
+        return cls(PromptServer(store=store, mode=mode, prefix_cache=PrefixCache()), **settings)
 
     @classmethod
     def from_prompt_cache(cls, prompt_cache: PromptCache, **settings: Any) -> PromptCacheLLM:
         """Serve PML prompts with ``prompt_cache``'s schemas (other text by full prefill)."""
-        return cls(PromptServer(prompt_cache=prompt_cache), **settings)
+        return cls(PromptServer(prompt_cache=prompt_cache, prefix_cache=PrefixCache()), **settings)
 
     @classmethod
     def class_name(cls) -> str:
@@ -112,7 +113,8 @@ class PromptCacheLLM(CustomLLM):
             context_window=self._server.lm.max_positions,
             num_output=self.max_new_tokens,
             model_name=self._server.model_name,
-            is_chat_model=False,
+            is_chat_model=True,  # predict() then sends messages to chat(), rendered by the chat template: as
+            # a completion model LlamaIndex would flatten them to "user: ..." text, which the model imitates
         )
 
     @llm_completion_callback()

@@ -49,9 +49,12 @@ class PromptModuleRetriever(BaseRetriever):
         similarity_top_k: int = 5,
         *,
         order: str = DEFAULT_ORDER,
+        as_references: bool = False,
         callback_manager: CallbackManager | None = None,
         verbose: bool = False,
     ) -> None:
+        """``as_references``: each node's text is its module reference, so an engine that puts node text in a
+        prompt (``CondensePlusContextChatEngine``, any turn) has ``PromptCacheLLM`` splice the chunk's KV."""
         if similarity_top_k < 1:
             msg = f"similarity_top_k must be at least 1, got {similarity_top_k}"
             raise PCRagError(msg)
@@ -59,21 +62,23 @@ class PromptModuleRetriever(BaseRetriever):
         self.store = store
         self.similarity_top_k = similarity_top_k
         self.order = check_order(order)
+        self.as_references = as_references
 
     def _retrieve(self, query_bundle: QueryBundle) -> list[NodeWithScore]:
         handles = self.store.search(query_bundle.query_str, self.similarity_top_k, self.order)
-        return [handle_node(self.store, h) for h in handles]
+        return [handle_node(self.store, h, as_reference=self.as_references) for h in handles]
 
 
-def handle_node(store: DocumentStore, handle: ModuleHandle) -> NodeWithScore:
-    """``handle``'s chunk as a scored ``TextNode`` whose metadata names the module."""
+def handle_node(store: DocumentStore, handle: ModuleHandle, *, as_reference: bool = False) -> NodeWithScore:
+    """``handle``'s chunk as a scored ``TextNode`` whose metadata names the module; ``as_reference``: its text is
+    the module reference (no metadata in its LLM text: only whitespace may sit between references)."""
     metadata = store.handle_metadata(handle)
     node = TextNode(
         id_=f"{store.store_id}-{handle.chunk_id}",
-        text=handle.text,
+        text=store.module_ref(handle) if as_reference else handle.text,
         metadata=metadata,
         excluded_embed_metadata_keys=list(HANDLE_KEYS),
-        excluded_llm_metadata_keys=list(HANDLE_KEYS),
+        excluded_llm_metadata_keys=list(metadata) if as_reference else list(HANDLE_KEYS),
         relationships={NodeRelationship.SOURCE: RelatedNodeInfo(node_id=handle.doc_id)},
     )
     return NodeWithScore(node=node, score=handle.score)

@@ -115,6 +115,25 @@ def test_serve_answers_a_rag_request(home, store, capsys, monkeypatch) -> None:
     assert len(replies[0].json()["sources"]) == 2
 
 
+def test_serve_asks_the_key_from_the_environment(home, store, capsys, monkeypatch) -> None:
+    uvicorn = pytest.importorskip("uvicorn")
+    from fastapi.testclient import TestClient
+
+    replies = []
+
+    def requests(server: object) -> None:
+        with TestClient(server.config.app) as client:
+            body = {"prompt": "Hi", "max_tokens": 1}
+            replies.append(client.post("/v1/completions", json=body))
+            replies.append(client.post("/v1/completions", json=body, headers={"Authorization": "Bearer k3y"}))
+
+    monkeypatch.setattr(uvicorn.Server, "run", requests)
+    monkeypatch.setenv("PC_RAG_API_KEY", "k3y")
+    out, _ = run(home, capsys, "serve", "--store", str(store), "--port", "1", "--max-concurrency", "2")
+    assert "(an API key)" in out
+    assert [r.status_code for r in replies] == [401, 200], replies[1].text
+
+
 def test_bench_ttft(home, capsys, tmp_path) -> None:
     out, _ = run(home, capsys, "bench", "ttft", "--tokens", "96", "--runs", "1", "--json", str(tmp_path / "t.json"))
     assert "floor ms" in out

@@ -64,7 +64,7 @@ def test_conversations_are_rendered_with_an_explicit_system_turn(server: PromptS
 def test_bad_conversations_are_refused(server: PromptServer) -> None:
     with pytest.raises(PCRagError, match="chat roles \\['tool'\\]"):
         server.stream_chat([("tool", "x")])
-    with pytest.raises(PCRagError, match="single user turn"):
+    with pytest.raises(PCRagError, match="spliced from a document store, and this server has none"):
         server.stream_chat([("user", f"see {module_ref('ab', 1)}")], "Other system.")
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -74,8 +75,26 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     serve.add_argument("--port", type=_positive, default=8000, help="port (default 8000)")
     serve.add_argument("--mode", default=None, help="recovery mode (default: the store's)")
-    serve.add_argument("--max-batch", type=_positive, default=16, help="requests decoded together (default 16)")
+    serve.add_argument(
+        "--max-concurrency",
+        "--max-batch",
+        dest="max_batch",
+        type=_positive,
+        default=16,
+        help="requests decoded together; more wait in the queue (default 16)",
+    )
     serve.add_argument("--queue-limit", type=_positive, default=64, help="waiting requests before 429 (default 64)")
+    serve.add_argument(
+        "--prefix-cache-mb",
+        type=_non_negative,
+        default=512,
+        help="memory for the KV of conversation prefixes, reused turn to turn (default 512; 0: off)",
+    )
+    serve.add_argument(
+        "--api-key",
+        default=os.environ.get("PC_RAG_API_KEY") or None,
+        help="the bearer key every /v1 request must send (default: $PC_RAG_API_KEY; none: open)",
+    )
     module_args.add_module_args(serve)
     store = commands.add_parser("store", help="verify (read-only), repair, compact, recode (compression) or "
                                 "reencode (chunk KV from text, for a mode) a document store")  # fmt: skip
@@ -171,7 +190,9 @@ def _run(args: argparse.Namespace) -> int:
         store_commands.store_maintenance(lm, args.action, args.store, args.codec, args.json, mode=args.mode)
     elif args.command == "serve":
         store_commands.serve(lm, args.store, host=args.host, port=args.port, mode=args.mode, max_batch=args.max_batch,
-                             queue_limit=args.queue_limit, **module_args.module_options(args))  # fmt: skip
+                             queue_limit=args.queue_limit, api_key=args.api_key,
+                             prefix_cache_mb=args.prefix_cache_mb,
+                             **module_args.module_options(args))  # fmt: skip
     elif args.command == "bench":
         bench_commands.run_bench(args, lm)
     return 0

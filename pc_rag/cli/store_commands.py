@@ -197,7 +197,8 @@ def warm_up(server: PromptServer, question: str, *, k: int, mode: str | None, fu
 
 
 def serve(lm: LoadedModel, store_dir: Path, *, host: str, port: int, mode: str | None, max_batch: int,
-          queue_limit: int, **module_options: object) -> None:  # fmt: skip
+          queue_limit: int, api_key: str | None = None, prefix_cache_mb: int = 512,
+          **module_options: object) -> None:  # fmt: skip
     """Serve the store over HTTP (OpenAI-compatible routes and /v1/rag) until interrupted.
 
     The scheduler serves on this thread, which loaded the model; uvicorn runs beside it (``Scheduler.run``)."""
@@ -206,15 +207,19 @@ def serve(lm: LoadedModel, store_dir: Path, *, host: str, port: int, mode: str |
     except ImportError as e:
         msg = "`pc-rag serve` needs FastAPI and uvicorn: pip install 'pc-rag[serve]'"
         raise PCRagError(msg) from e
+    from pc_rag.runtime.prefix_cache import PrefixCache
     from pc_rag.runtime.scheduler import Scheduler
     from pc_rag.server.http import create_app
 
     store = DocumentStore.load(store_dir, engine_for(lm), **module_options)
     store.check_mode(mode)  # a store its mode cannot read is refused now, not at every request
     scheduler = Scheduler(lm, max_batch=max_batch, queue_limit=queue_limit)
-    app = create_app(PromptServer(store=store, mode=mode, scheduler=scheduler))
+    prefix_cache = PrefixCache(prefix_cache_mb * 2**20) if prefix_cache_mb else None
+    served = PromptServer(store=store, mode=mode, scheduler=scheduler, prefix_cache=prefix_cache)
+    app = create_app(served, api_key=api_key)
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="info"))
-    print(f"serving {store_dir} ({len(store)} chunks, {lm.name}) on http://{host}:{port}/v1")
+    key = "an API key" if api_key else "no API key"
+    print(f"serving {store_dir} ({len(store)} chunks, {lm.name}) on http://{host}:{port}/v1 ({key})")
     try:
         scheduler.run(server.run)
     except KeyboardInterrupt:

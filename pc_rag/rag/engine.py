@@ -45,6 +45,7 @@ from pc_rag.rag.query_select import query_indices, question_attention
 from pc_rag.rag.select import deviation_indices, edge_indices, kv_deviation
 from pc_rag.rag.tuned import Tuned
 from pc_rag.runtime.executor import execute
+from pc_rag.runtime.prefix_cache import PrefixCache
 from pc_rag.runtime.request import Part, Refresh, Request
 from pc_rag.runtime.shared_pool import SegmentKey
 
@@ -290,6 +291,39 @@ class RagEngine:
         ``Scheduler``); kwargs are ``SamplingParams`` fields. Its clock starts now."""
         return self._request(self._pieces(chunks, question), self._mode(mode), **kwargs)
 
+    def request_chat(
+        self,
+        system: str | None,
+        history: Sequence[tuple[str, str]],
+        chunks: Sequence[Chunk],
+        question: str,
+        mode: str | RecoveryMode | None = None,
+        *,
+        around: tuple[str, str] | None = None,
+        prefix_cache: PrefixCache | None = None,
+        **kwargs: object,
+    ) -> Request:
+        """The answer to the last user turn ``question`` of a conversation from ``chunks``: ``system`` (None: ours),
+        the earlier ``(role, text)`` turns, then the documents and the question (``RagPrompt.conversation_head``).
+        ``around``: the last turn's own text before and after the documents, in place of the preamble and the
+        question template (a turn that carried module references). The head's KV comes from ``prefix_cache``
+        where an earlier turn computed it; the rest is computed now."""
+        if not history and system is None and around is None:
+            return self.request(chunks, question, mode, **kwargs)
+        before, after = around if around is not None else (None, None)
+        text = self.prompt.conversation_head(self.wrappers, system, history, before)
+        ids = tuple(self.tokenize(text))
+        if after is None:
+            tail = self._tail(question)
+        else:
+            tail_text = after + self.wrappers.close["user"] + self.wrappers.generation_prompt
+            tail = (tail_text, self.tokenize(tail_text))
+        if prefix_cache is None:
+            return self._request(_Pieces((text, ids), None, tuple(chunks), tail), self._mode(mode), **kwargs)
+        head = prefix_cache.encode(self.lm.model, ids)
+        pieces = _Pieces((text, ids), head.kv, tuple(chunks), tail)
+        return self._request(pieces, self._mode(mode), own_tokens=head.computed, **kwargs)
+
     def _with_stop(self, kwargs: dict[str, object]) -> dict[str, object]:
         """``kwargs`` with the wrappers' stop texts (a base model's reply ends at a line break) unless given."""
         return kwargs if "stop" in kwargs or not self.wrappers.stop else {**kwargs, "stop": self.wrappers.stop}
@@ -304,8 +338,15 @@ class RagEngine:
         yield from execute(self.lm, self._buffers, request, self._stop_ids)
 
     def _request(
-        self, pieces: _Pieces, mode: RecoveryMode, reference_ids: Sequence[int] | None = None, **kwargs: object
+        self,
+        pieces: _Pieces,
+        mode: RecoveryMode,
+        reference_ids: Sequence[int] | None = None,
+        *,
+        own_tokens: int = 0,
+        **kwargs: object,
     ) -> Request:
+        """``own_tokens``: tokens of a given head computed for this request (a history's new turns)."""
         params = replace(SamplingParams(), **self._with_stop(kwargs))  # type: ignore[arg-type]
         watch = Stopwatch()
         self.check_encoding(pieces.chunks, mode)
@@ -314,9 +355,11 @@ class RagEngine:
         tail = plan.new_ids
         if pieces.head_kv is None:  # a preamble of this request's own: computed now, counted in TTFT
             head_kv = encode_spans(self.lm.model, [(pieces.head[1], range(head))])[0]
-            head_part = Part(head_kv)
-        else:
+            head_part, own_tokens = Part(head_kv), head
+        elif pieces.head_kv is self.head_kv:
             head_part = Part(pieces.head_kv, share=self._head_key)
+        else:  # a conversation's head, from the prefix cache
+            head_part = Part(pieces.head_kv)
         slots = query.slots()
         moved = [self._chunk_part(c, start) for c, (start, _) in zip(chunks, slots, strict=True)]
         ids = [t for c in chunks for t in c.token_ids]
@@ -330,7 +373,7 @@ class RagEngine:
             )
         return Request(
             [head_part, *moved], tail, plan.new_positions, plan.next_position, params, refresh, calls,
-            own_tokens=head if pieces.head_kv is None else 0, reference_ids=reference_ids, watch=watch,
+            own_tokens=own_tokens, reference_ids=reference_ids, watch=watch,
             context_ids=[*pieces.head[1], *ids, *tail],
         )  # fmt: skip
 

@@ -9,6 +9,7 @@ nothing about KV or retrieval.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pc_rag.chat import ChatWrappers
@@ -44,6 +45,20 @@ class RagPrompt:
             + wrappers.open["user"]
             + (self.preamble if preamble is None else preamble)
         )
+
+    def conversation_head(
+        self,
+        wrappers: ChatWrappers,
+        system: str | None,
+        history: Sequence[tuple[str, str]],
+        preamble: str | None = None,
+    ) -> str:
+        """``head`` after a conversation: its ``system`` turn (None: ours), then its earlier ``(role, text)``
+        turns, then the opening of the last user turn and the preamble. The history comes before the documents so
+        that it is the same prefix at every turn (its KV computed once); the documents of this turn follow it."""
+        turns = "".join(wrappers.wrap(role, text) for role, text in history)
+        opening = wrappers.wrap("system", self.system if system is None else system) + turns + wrappers.open["user"]
+        return opening + (self.preamble if preamble is None else preamble)
 
     def tail(self, wrappers: ChatWrappers, question: str) -> str:
         """Everything after the last document: the question, the end of the user turn, the reply opener."""

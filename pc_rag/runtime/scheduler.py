@@ -10,7 +10,9 @@ request the batched step cannot serve (a model it does not describe, a splice ad
 time, teacher-forced scoring) is served alone, advanced between the batched steps.
 
 Tokens reach the caller's thread through a queue; detokenizing, stop strings and timing run there
-(``run_generation``), and a caller that stops reading (a stop string, an abandoned stream) cancels its request.
+(``run_generation``). A caller that stops reading (a stop string, an abandoned stream) or calls
+``Submitted.cancel`` (an HTTP client gone) cancels its request: a waiting one is dropped, a live one frees its
+row at its next step.
 When ``queue_limit`` requests are waiting, ``submit`` refuses with ``ServerBusyError``: nothing is dropped
 silently. This module knows nothing about PML, chunks or HTTP.
 """
@@ -71,6 +73,20 @@ class _Tokens(DecodedTokens):
         return item
 
 
+class Submitted(Iterator[str | GenerationResult]):
+    """A submitted request's reply: text deltas, then its ``GenerationResult``; ``cancel()`` from any thread stops
+    it (a waiting request is dropped, a live one leaves the batch at its next step)."""
+
+    def __init__(self, items: Iterator[str | GenerationResult], cancelled: threading.Event) -> None:
+        self._items, self._cancelled = items, cancelled
+
+    def __next__(self) -> str | GenerationResult:
+        return next(self._items)
+
+    def cancel(self) -> None:
+        self._cancelled.set()
+
+
 @dataclass(eq=False)
 class _Entry:
     """A submitted request and the channel to its caller."""
@@ -122,7 +138,21 @@ class Scheduler:
         """Submit ``request`` and stream its reply (text deltas; ``.result`` at the end)."""
         return ReplyStream(self.submit(request))
 
-    def submit(self, request: Request) -> Iterator[str | GenerationResult]:
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def waiting(self) -> int:
+        """Requests queued, not yet admitted."""
+        return len(self._waiting)
+
+    @property
+    def active(self) -> int:
+        """Requests admitted and not finished: the batch's rows and those served alone."""
+        return len(self._rows) + len(self._alone)
+
+    def submit(self, request: Request) -> Submitted:
         """Queue ``request``; iterate the result for text deltas, then its ``GenerationResult``.
 
         Raises ``ServerBusyError`` when ``queue_limit`` requests are already waiting."""
@@ -138,7 +168,7 @@ class Scheduler:
             self._waiting.append(entry)
             self._start()
             self._lock.notify()
-        return self._replies(entry)
+        return Submitted(self._replies(entry), entry.tokens.cancelled)
 
     def call(self, fn: Callable[[], T]) -> T:
         """Run ``fn`` on the worker thread between decode steps and return its result (or raise its error).
@@ -200,6 +230,14 @@ class Scheduler:
         with self._lock:
             return self._kv_bytes()
 
+    def kv_memory(self) -> dict[str, Callable[[], int]]:
+        """Readers of the KV bytes held, by kind: the shared pool's live segments, the private arena's rows."""
+        arena = self.arena
+        return {
+            "shared_pool": self.pool.held_bytes,
+            "arena": lambda: arena.keys.nbytes + arena.values.nbytes,
+        }
+
     def _kv_bytes(self) -> tuple[int, int]:
         tokens = sum(s.length for live in self._rows for s in live.segments)
         return self.pool.held_bytes(), tokens * self.pool.chunk_bytes // CHUNK_TOKENS
@@ -215,6 +253,8 @@ class Scheduler:
             first = tokens.queue.get()
             if isinstance(first, BaseException):
                 raise first
+            if first is _END:  # cancelled before it was admitted
+                return
             if not entry.batched:  # served alone: the worker forwards the executor's items
                 item = first
                 while item is not _END:
@@ -243,6 +283,9 @@ class Scheduler:
                 room = self.max_batch - len(self._rows) - len(self._alone)
                 admitted = [self._waiting.popleft() for _ in range(min(room, len(self._waiting)))]
                 calls, self._calls = self._calls, []
+            for entry in [e for e in admitted if e.tokens.cancelled.is_set()]:  # its caller left while it waited
+                admitted.remove(entry)
+                entry.tokens.queue.put(_END)
             for fn, future in calls:
                 if future.set_running_or_notify_cancel():
                     try:
@@ -394,6 +437,7 @@ class Scheduler:
         for entry, items in list(self._alone):
             if entry.tokens.cancelled.is_set():
                 items.close()
+                entry.tokens.queue.put(_END)  # a reader blocked on the next item (a cancel from elsewhere) ends
                 ended = True
             else:
                 try:

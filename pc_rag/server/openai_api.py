@@ -123,7 +123,7 @@ class CompletionBody(_Body):
 class Message(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
-    role: Literal["system", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant"]  # developer: OpenAI's newer name for system
     content: str | list[dict[str, object]]
 
     @field_validator("content")
@@ -146,29 +146,18 @@ class ChatBody(_Body):
     @field_validator("messages")
     @classmethod
     def _one_conversation(cls, messages: list[Message]) -> list[Message]:
-        if any(m.role == "system" for m in messages[1:]):
-            raise _unsupported("a system message is only supported first")
         if messages and messages[-1].role != "user":
             raise _unsupported("the conversation must end with a user message")
+        if any(m.role == "user" and not m.text().strip() for m in messages):
+            raise PydanticCustomError("empty", "a user message is empty: send the question as text")
         return messages
 
     def conversation(self) -> tuple[str | None, list[tuple[str, str]]]:
-        """(system prompt or None, the user/assistant turns)."""
-        messages = self.messages
-        system = None
-        if messages[0].role == "system":
-            system, messages = messages[0].text(), messages[1:]
-        return system, [(m.role, m.text()) for m in messages]
-
-    def question(self, model: str) -> str:
-        """The one user message the RAG model ``model`` answers; ``RequestError`` for anything more."""
-        if len(self.messages) != 1:
-            msg = (
-                f"the model {model} answers one user message from the store ({len(self.messages)} messages sent); "
-                "send the question alone, or converse with the plain model"
-            )
-            raise RequestError(msg, "messages")
-        return self.messages[0].text()
+        """(the leading system prompt or None, the turns after it: user, assistant, and later system turns)."""
+        turns = [("system" if m.role == "developer" else m.role, m.text()) for m in self.messages]
+        if turns[0][0] == "system":
+            return turns[0][1], turns[1:]
+        return None, turns
 
 
 class RagBody(BaseModel):
@@ -191,10 +180,13 @@ def finish_reason(result: GenerationResult, max_new_tokens: int) -> str:
     return "length" if result.stats.new_tokens >= max_new_tokens else "stop"
 
 
-def usage(result: GenerationResult) -> dict[str, int]:
+def usage(result: GenerationResult) -> dict[str, object]:
     stats = result.stats
     prompt = stats.cached_tokens + stats.computed_tokens
-    return {"prompt_tokens": prompt, "completion_tokens": stats.new_tokens, "total_tokens": prompt + stats.new_tokens}
+    return {
+        "prompt_tokens": prompt, "completion_tokens": stats.new_tokens, "total_tokens": prompt + stats.new_tokens,
+        "prompt_tokens_details": {"cached_tokens": stats.cached_tokens},
+    }  # fmt: skip
 
 
 class Reply:

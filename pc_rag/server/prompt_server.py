@@ -22,10 +22,14 @@ from pc_rag.engine import PromptCache
 from pc_rag.errors import PCRagError
 from pc_rag.generate import GenerationResult, ReplyStream, SamplingParams
 from pc_rag.model import LoadedModel
+from pc_rag.rag.chunk import Chunk
+from pc_rag.rag.condense import standalone_query
 from pc_rag.rag.engine import RagEngine
 from pc_rag.rag.markers import split_module_prompt
 from pc_rag.rag.order import DEFAULT_ORDER, reorder
 from pc_rag.rag.prompt import RagPrompt
+from pc_rag.runtime.executor import check_length
+from pc_rag.runtime.prefix_cache import PrefixCache
 from pc_rag.runtime.request import Request
 from pc_rag.runtime.scheduler import Scheduler
 from pc_rag.store.document_store import DocumentStore
@@ -60,6 +64,8 @@ class PromptServer:
     prompt_cache: PromptCache | None = None
     mode: str | None = None  # recovery mode for module prompts; None: the store's default
     scheduler: Scheduler | None = None  # when set, requests are batched through it; else each is served alone
+    # when set, the KV of each prompt's head (a conversation's history) is kept and reused by the next request
+    prefix_cache: PrefixCache | None = None
 
     def __post_init__(self) -> None:
         if self.store is None and self.prompt_cache is None:
@@ -122,6 +128,42 @@ class PromptServer:
             return ranked, full_request(ids, SamplingParams(**sampling))  # type: ignore[arg-type]
         return ranked, store.engine.request(chunks, question, self._mode(mode), **sampling)
 
+    def answer_chat(
+        self,
+        turns: Sequence[tuple[str, str]],
+        system: str | None = None,
+        k: int = 5,
+        mode: str | None = None,
+        **options: object,
+    ) -> Answer:
+        """``rag_chat_request`` answered: the conversation's last user turn from the store."""
+        return self._answer(lambda: self.rag_chat_request(turns, system, k, mode, **options))  # type: ignore[arg-type]
+
+    def rag_chat_request(
+        self,
+        turns: Sequence[tuple[str, str]],
+        system: str | None = None,
+        k: int = 5,
+        mode: str | None = None,
+        *,
+        condense: bool = True,
+        order: str = DEFAULT_ORDER,
+        **sampling: object,
+    ) -> tuple[tuple[ModuleHandle, ...], Request]:
+        """The answer to a conversation's last user turn from the store: retrieval for that turn made standalone
+        (``condense``: ``rag.condense``), the chunks spliced after ``system`` and the earlier ``(role, text)``
+        turns, whose KV the prefix cache keeps from turn to turn (``RagEngine.request_chat``)."""
+        store = self._require_store("answering a question")
+        _check_settings(sampling, SamplingParams.__dataclass_fields__)
+        store.check_mode(self._mode(mode))
+        ranked = tuple(store.search(standalone_query(turns, condense=condense), k))
+        chunks = store.chunks(reorder(ranked, order))
+        history, question = turns[:-1], turns[-1][1]
+        request = store.engine.request_chat(
+            system, history, chunks, question, self._mode(mode), prefix_cache=self.prefix_cache, **sampling
+        )
+        return ranked, request
+
     def stream(self, prompt: str, *, mode: str | None = None, full: bool = False, **sampling: object) -> ReplyStream:
         """Text deltas of the reply to ``prompt``; ``sampling`` are ``SamplingParams`` fields (see ``request``)."""
         return self._serve(lambda: self.request(prompt, mode=mode, full=full, **sampling))
@@ -159,7 +201,19 @@ class PromptServer:
         if not ids:
             msg = "the prompt is empty and this tokenizer adds no start token: send text to continue"
             raise PCRagError(msg)
-        return full_request(ids, SamplingParams(**sampling))  # type: ignore[arg-type]
+        return self._full_request(ids, sampling)
+
+    def _full_request(self, ids: Sequence[int], sampling: dict[str, object]) -> Request:
+        """Full prefill of ``ids``, all but the last token from the prefix cache where it holds them (and kept
+        there for the next request that starts the same way)."""
+        params = SamplingParams(**sampling)  # type: ignore[arg-type]
+        if self.prefix_cache is None or len(ids) < 2:
+            return full_request(ids, params)
+        check_length(self.lm, len(ids))  # refused before any work
+        prefix = self.prefix_cache.encode(self.lm.model, ids[:-1])
+        request = full_request(ids, params, prefix.kv)
+        request.own_tokens = prefix.computed
+        return request
 
     def _mode(self, mode: str | None) -> str:
         return mode or self.mode or self._require_store("a recovery mode").mode
@@ -187,27 +241,47 @@ class PromptServer:
 
     def request_chat(self, turns: Sequence[tuple[str, str]], system: str | None = None, **sampling: object) -> Request:
         """The conversation as a serving ``Request`` (see ``stream_chat``)."""
-        unknown_roles = sorted({role for role, _ in turns} - {"user", "assistant"})
+        unknown_roles = sorted({role for role, _ in turns} - {"system", "user", "assistant"})
         if unknown_roles:
             msg = f"chat roles {unknown_roles} are not supported; use system, user and assistant turns"
             raise PCRagError(msg)
         system = self.system if system is None else system
         if len(turns) == 1 and turns[0][0] == "user" and system == self.system:
             return self.request(turns[0][1], **sampling)
-        if any(split_module_prompt(content).refs for _, content in turns):
-            msg = (
-                "module references are served in a single user turn under the default system prompt; "
-                "this conversation has other turns or another system prompt"
-            )
-            raise PCRagError(msg)
         _check_settings(sampling)
+        if any(split_module_prompt(text).refs for text in (system, *(content for _, content in turns))):
+            return self._spliced_chat(system, list(turns), sampling)
         return self._turns_request(system, list(turns), sampling)
+
+    def _spliced_chat(self, system: str, turns: list[tuple[str, str]], sampling: dict[str, object]) -> Request:
+        """A conversation whose turns (the system turn included) carry module references: every referenced chunk
+        is spliced once, in order of appearance, before the last user turn's question, where this turn's own
+        references sit (``RagEngine.request_chat``); the turns keep their text around the references."""
+        if self.store is None:
+            msg = "module references are spliced from a document store, and this server has none: send plain text"
+            raise PCRagError(msg)
+        store = self.store
+        store.check_mode(self._mode(None))
+        chunks: dict[object, Chunk] = {}
+
+        def take(text: str) -> tuple[str, str]:
+            before, found, after = store.prompt_chunks(text)
+            chunks.update((chunk.source or id(chunk), chunk) for chunk in found)
+            return before, after
+
+        system_text = "".join(take(system))
+        history = [(role, "".join(take(content))) for role, content in turns[:-1]]
+        around = take(turns[-1][1])
+        return store.engine.request_chat(
+            system_text, history, list(chunks.values()), "", self._mode(None), around=around,
+            prefix_cache=self.prefix_cache, **sampling,
+        )  # fmt: skip
 
     def _turns_request(self, system: str, turns: list[tuple[str, str]], sampling: dict[str, object]) -> Request:
         """Full prefill of the conversation rendered through the model's chat template, then decoding."""
         w = self._backend.wrappers
         text = w.wrap("system", system) + "".join(w.wrap(role, c) for role, c in turns) + w.generation_prompt  # type: ignore[arg-type]
-        return full_request(self._backend.tokenize(text), SamplingParams(**sampling))  # type: ignore[arg-type]
+        return self._full_request(self._backend.tokenize(text), sampling)
 
     def _answer(self, build: Callable[[], tuple[tuple[ModuleHandle, ...], Request]]) -> Answer:
         handles, request = self._built(build)

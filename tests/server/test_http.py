@@ -3,17 +3,14 @@ usage, and refuses what it cannot do with the right status."""
 
 from __future__ import annotations
 
-import socket
-import threading
-import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
 import pytest
-import uvicorn
 from conftest import tiny_model
+from live_server import live_server
 from test_document_store import make_store
 
 from pc_rag.engine import PromptCache
@@ -32,17 +29,8 @@ def served(tmp_path_factory, tokenizer) -> Iterator[tuple[str, PromptServer]]:
     store = make_store(tmp_path_factory.mktemp("http"), engine)
     scheduler = Scheduler(engine.lm, max_batch=8)
     prompt_server = PromptServer(store=store, scheduler=scheduler)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(create_app(prompt_server), port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.01)
-    yield f"http://127.0.0.1:{port}/v1", PromptServer(store=store)  # the second serves alone, for reference
-    server.should_exit = True
-    thread.join()
+    with live_server(create_app(prompt_server)) as url:
+        yield f"{url}/v1", PromptServer(store=store)  # the second serves alone, for reference
     scheduler.close()
 
 

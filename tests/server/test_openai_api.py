@@ -53,8 +53,10 @@ BAD_REQUESTS: dict[str, tuple[Callable[[openai.OpenAI], object], str]] = {
     "k 0": (lambda c: c.post("/rag", body={"question": QUESTION, "k": 0}, cast_to=object), "k"),
     "rag k 0": (lambda c: c.chat.completions.create(model=RAG, messages=HI, extra_body={"k": 0}), "k"),
     "k without rag": (lambda c: c.chat.completions.create(model=PLAIN, messages=HI, extra_body={"k": 2}), "k"),
-    "history for rag": (
-        lambda c: c.chat.completions.create(model=RAG, messages=[*HI, {"role": "assistant", "content": "x"}, *HI]),
+    "empty turn for rag": (
+        lambda c: c.chat.completions.create(
+            model=RAG, messages=[*HI, {"role": "assistant", "content": "x"}, {"role": "user", "content": " "}]
+        ),
         "messages",
     ),
     "rag model completing": (lambda c: c.completions.create(model=RAG, prompt="hi"), "model"),
