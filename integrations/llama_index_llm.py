@@ -60,7 +60,7 @@ class PromptCacheLLM(CustomLLM):
     """A local model that reuses prompt modules' KV; greedy by default.
 
     Per-call keyword arguments (``SamplingParams`` fields: ``max_new_tokens``,
-    ``temperature``, ``top_p``, ``top_k``, ``seed``, ``stop``) override the fields
+    ``temperature``, ``top_p``, ``top_k``, ``seed``, ``stop``, ``speculative``) override the fields
     of the same name for one call. ``system_prompt`` is chat's system turn when the
     conversation has none (LlamaIndex's ``predict`` prepends it to completion prompts
     as text). Calls run one after another on one model.
@@ -72,6 +72,9 @@ class PromptCacheLLM(CustomLLM):
     top_k: int = Field(default=0, ge=0, description="Sample among the k most likely tokens; 0 disables it.")
     seed: int | None = Field(default=None, description="Seeds sampling (temperature > 0).")
     stop: list[str] = Field(default_factory=list, description="Stop strings; they end the reply and are excluded.")
+    speculative: bool = Field(
+        default=True, description="Verify drafts looked up in the prompt with each decode step (same greedy output)."
+    )
 
     _server: PromptServer = PrivateAttr()
     _last_stats: GenerationStats | None = PrivateAttr(default=None)
