@@ -11,7 +11,7 @@ import re
 import pytest
 from conftest import tiny_model
 from test_document_store import embedder
-from test_store_repair import flip_bytes
+from test_store_repair import flip_bytes, flip_header_byte
 
 from pc_rag import model
 from pc_rag.cli import main
@@ -101,6 +101,17 @@ def test_a_damaged_chunk_names_repair_which_encodes_it_again(corpus, capsys) -> 
     assert code == 0 and "re-encoded 1 damaged chunks" in out and "dropped 0 damaged documents" in out
     assert run(capsys, "store", "verify", "--store", corpus / "s")[0] == 0
     assert run(capsys, "ask", "--store", corpus / "s", "-k", everything, "--max-new-tokens", "1", "Which?")[0] == 0
+
+
+def test_repair_clears_a_damaged_shard_header_and_the_hint_prints_once(corpus, capsys) -> None:
+    index = ["index", corpus / "docs", "--store", corpus / "s", "--chunk-tokens", "8", "--overlap", "0"]
+    assert run(capsys, *index)[0] == 0
+    flip_header_byte(corpus / "s", 40)
+    code, _, err = run(capsys, "store", "verify", "--store", corpus / "s")
+    assert code == 2 and err.count("pc-rag store repair") == 1, err
+    code, out, _ = run(capsys, "store", "repair", "--store", corpus / "s")
+    assert code == 0 and "dropped 0 damaged documents" in out, out
+    assert run(capsys, "store", "verify", "--store", corpus / "s")[0] == 0
 
 
 def test_index_skips_an_empty_file_in_a_folder_with_a_warning(corpus, capsys, caplog) -> None:
