@@ -6,6 +6,7 @@ The model and the embedder are the tests' tiny ones (``load_model`` and the defa
 from __future__ import annotations
 
 import json
+import logging
 import re
 
 import pytest
@@ -87,7 +88,7 @@ def test_verify_notes_leftovers_of_interrupted_writes_and_exits_0(corpus, capsys
     assert code == 0 and "note:" not in out and not any((corpus / "s" / name).exists() for name in leftovers)
 
 
-def test_a_damaged_chunk_names_repair_which_encodes_it_again(corpus, capsys) -> None:
+def test_ask_skips_a_damaged_chunk_naming_repair_which_encodes_it_again(corpus, capsys, caplog) -> None:
     assert (
         run(capsys, "index", corpus / "docs", "--store", corpus / "s", "--chunk-tokens", "8", "--overlap", "0")[0] == 0
     )
@@ -95,8 +96,12 @@ def test_a_damaged_chunk_names_repair_which_encodes_it_again(corpus, capsys) -> 
     victim = manifest.docs[str(corpus / "docs" / "fuji.md")].chunk_ids[0]
     flip_bytes(corpus / "s", f"{victim}.k")
     everything = str(len(manifest.chunks))
-    code, _, err = run(capsys, "ask", "--store", corpus / "s", "-k", everything, "--max-new-tokens", "1", "Which?")
-    assert code == 2 and f"`pc-rag store repair --store {corpus / 's'}`" in err and "rebuild" not in err
+    with caplog.at_level(logging.WARNING):
+        code, out, _ = run(capsys, "ask", "--store", corpus / "s", "-k", everything, "--max-new-tokens", "1", "Which?")
+    hint = f"`pc-rag store repair --store {corpus / 's'}`"
+    warned = [r.getMessage() for r in caplog.records if hint in r.getMessage()]
+    assert code == 0 and len(warned) == 1, warned  # answered, warned once
+    assert f"skipped, its KV is damaged: chunk {victim} of {corpus / 'docs' / 'fuji.md'}" in out, out
     code, out, _ = run(capsys, "store", "repair", "--store", corpus / "s")
     assert code == 0 and "re-encoded 1 damaged chunks" in out and "dropped 0 damaged documents" in out
     assert run(capsys, "store", "verify", "--store", corpus / "s")[0] == 0
@@ -130,3 +135,15 @@ def test_index_refuses_two_rows_with_one_id_before_the_model_loads(corpus, capsy
     code, _, err = run(capsys, "index", corpus / "rows.jsonl", "--store", corpus / "s")
     assert code == 2 and f"rows.jsonl:4: id 'a' is also the id of {corpus / 'rows.jsonl'}:1" in err
     assert not (corpus / "s").exists()
+
+
+def test_ask_prints_each_source_path_once_and_snippets_on_one_line(corpus, capsys) -> None:
+    (corpus / "docs" / "notes.md").write_text("# Notes\n\nThe Rhine\nflows north.\n\nIt ends in the North Sea.\n")
+    assert run(capsys, "index", corpus / "docs", "--store", corpus / "s")[0] == 0
+    code, out, _ = run(capsys, "ask", "--store", corpus / "s", "-k", "3", "--max-new-tokens", "1", "Rhine?")
+    lines = out.split("\nsources:\n")[1].split("\n\n")[0].splitlines()
+    assert code == 0 and len(lines) == 3, out
+    for line in lines:
+        path = next(p for p in (corpus / "docs").iterdir() if str(p) in line)
+        assert line.count(str(path)) == 1 and "\\n" not in line, line
+    assert any('"# Notes The Rhine flows north. It ends in the North Sea."' in line for line in lines), lines

@@ -19,6 +19,7 @@ from pc_rag.server.prompt_server import PromptServer
 from pc_rag.store.codec_setup import parse_codec
 from pc_rag.store.document_store import DocumentStore
 from pc_rag.store.files import bytes_on_disk, check_store_directory
+from pc_rag.store.handles import ModuleHandle
 from pc_rag.store.ingest import SourceDocument
 from pc_rag.store.kvstore import STORAGE_DTYPES
 from pc_rag.store.manifest import MANIFEST_NAME, Manifest
@@ -176,9 +177,9 @@ def ask(lm: LoadedModel, store_dir: Path, question: str, *, k: int, mode: str | 
     print(answer.text.strip())
     print("\nsources:")
     for h in answer.sources:
-        print(
-            f"  [{h.score:.3f}] {h.doc_id} {h.metadata.get('title') or h.metadata.get('source', '')}: {h.text[:80]!r}"
-        )
+        print(f"  [{h.score:.3f}] {source_line(h)}")
+    for h in answer.skipped:
+        print(f"  skipped, its KV is damaged: chunk {h.chunk_id} of {source_label(h)}")
     stats = answer.result.stats
     print(
         f"\nTTFT {stats.ttft_ms:.0f} ms cached ({stats.cached_tokens} cached, {stats.computed_tokens} computed tokens)"
@@ -186,6 +187,17 @@ def ask(lm: LoadedModel, store_dir: Path, question: str, *, k: int, mode: str | 
     if compare_full:
         full = server.answer_full(question, k=k, max_new_tokens=max_new_tokens)
         print(f"TTFT {full.result.stats.ttft_ms:.0f} ms full prefill; full prefill answered: {full.text.strip()!r}")
+
+
+def source_label(handle: ModuleHandle) -> str:
+    """What names a source for a reader: its title, else its file (``source``), else its document id."""
+    return str(handle.metadata.get("title") or handle.metadata.get("source") or handle.doc_id)
+
+
+def source_line(handle: ModuleHandle, width: int = 80) -> str:
+    """``label: "snippet"``, the snippet on one line (line breaks and runs of spaces as one space)."""
+    snippet = " ".join(handle.text.split())
+    return f'{source_label(handle)}: "{snippet[:width]}{"…" if len(snippet) > width else ""}"'
 
 
 def warm_up(server: PromptServer, question: str, *, k: int, mode: str | None, full: bool) -> None:

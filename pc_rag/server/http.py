@@ -116,10 +116,9 @@ def create_app(server: PromptServer) -> Any:
         sampling = body.sampling(DEFAULT_MAX_TOKENS)
         if route.rag:
             question, k = body.question(route.id), body.k or DEFAULT_K
-            handles, request = scheduler.call(lambda: server.rag_request(question, k, route.mode, **sampling))
-            return _respond(
-                Reply(route.id, True, {"sources": _sources(handles)}), request, body.stream, body.include_usage
-            )
+            handles, request, skipped = scheduler.call(lambda: server.rag_request(question, k, route.mode, **sampling))
+            metadata = {"sources": _sources(handles), "skipped_damaged": _sources(skipped)}
+            return _respond(Reply(route.id, True, metadata), request, body.stream, body.include_usage)
         if body.k is not None:
             raise RequestError(f"k retrieves from the store: use the model {ids.model}+rag", "k")
         system, turns = body.conversation()
@@ -135,6 +134,7 @@ def create_app(server: PromptServer) -> Any:
         return {
             "answer": answer.text,
             "sources": _sources(answer.sources),
+            "skipped_damaged": _sources(answer.skipped),  # retrieved, left out: their KV fails its checksum
             "timings": {"ttft_ms": result.stats.ttft_ms, "total_ms": result.stats.total_ms},
             "usage": {
                 "cached_tokens": result.stats.cached_tokens, "computed_tokens": result.stats.computed_tokens,

@@ -92,6 +92,7 @@ class DocumentStore:
         self._writer = WriterLock(self.directory)
         self._write_mutex = threading.RLock()  # one write at a time in this process
         self._seen = manifest_stamp(self.directory)
+        self.warned_damaged: set[int] = set()  # chunks an answer skipped as damaged, warned about (intact_chunks)
 
     @classmethod
     def create(

@@ -420,10 +420,10 @@ class KVStore:
                 handle = self._handles.get(name)
             if handle is not None:
                 return handle
-            problem = self.problem(name)
+            problem = self.problem(name, hint=False)
             record = self.manifest.shards.get(name)
             if problem and not (record and record.chunk_sha256 and (self.directory / name).is_file()):
-                msg = f"KV store at {self.directory} is damaged: {problem}"
+                msg = f"KV store at {self.directory} is damaged: {problem}; {self._repair_hint}"
                 raise StoreCorruptedError(msg)
             try:
                 handle = safe_open(str(self.directory / name), framework="pt")
