@@ -147,3 +147,10 @@ def test_ask_prints_each_source_path_once_and_snippets_on_one_line(corpus, capsy
         path = next(p for p in (corpus / "docs").iterdir() if str(p) in line)
         assert line.count(str(path)) == 1 and "\\n" not in line, line
     assert any('"# Notes The Rhine flows north. It ends in the North Sea."' in line for line in lines), lines
+
+
+def test_device_cuda_without_cuda_is_one_line_naming_the_fix(capsys, monkeypatch) -> None:
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    code, out, err = run(capsys, "--device", "cuda", "demo", "--questions", "1")
+    assert code == 2 and out == "" and len(err.splitlines()) == 1, err
+    assert err.startswith("pc-rag: error: device 'cuda' is not available: ") and "use --device cpu" in err, err
