@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-import shlex
 import logging
+import shlex
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
