@@ -122,8 +122,7 @@ class PromptServer:
         lost = {h.chunk_id for h in skipped}
         used = tuple(h for h in ranked if h.chunk_id not in lost)
         if full:
-            ids = store.engine.full_ids(chunks, question)
-            return used, full_request(ids, SamplingParams(**sampling)), skipped  # type: ignore[arg-type]
+            return used, store.engine.request_full(chunks, question, **sampling), skipped
         return used, store.engine.request(chunks, question, self._mode(mode), **sampling), skipped
 
     def stream(self, prompt: str, *, mode: str | None = None, full: bool = False, **sampling: object) -> ReplyStream:
