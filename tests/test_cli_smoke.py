@@ -98,6 +98,9 @@ def test_demo(home, capsys, monkeypatch) -> None:
     few_questions(monkeypatch, "pc_rag.sample")
     out, _ = run(home, capsys, "demo", "--questions", "1")
     assert "building a store" in out and "question" in out
+    (note,) = [line for line in out.splitlines() if line.startswith("answers by ")]  # one line, above the answers
+    assert re.search(r"\(\d+M parameters; .*load a larger one with `pc-rag --model DIR`", note), note
+    assert out.splitlines().index(note) + 1 == next(i for i, line in enumerate(out.splitlines()) if "[gold]" in line)
 
 
 def test_serve_answers_a_rag_request(home, store, capsys, monkeypatch) -> None:

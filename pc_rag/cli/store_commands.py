@@ -233,6 +233,14 @@ def serve(lm: LoadedModel, store_dir: Path, *, host: str, port: int, mode: str |
         server.should_exit = True
 
 
+def model_note(lm: LoadedModel) -> str:
+    """One line on the model answering: its size, and how to load a larger one."""
+    params = sum(p.numel() for p in lm.model.parameters())
+    size = f"{params / 1e9:.1f}B" if params >= 1e9 else f"{params / 1e6:.0f}M"
+    return (f"answers by {lm.name} ({size} parameters; a small model is often wrong): load a larger one with "
+            "`pc-rag --model DIR` (a local Hugging Face directory; docs/cli.md#a-larger-local-model)")  # fmt: skip
+
+
 def demo(lm: LoadedModel, questions: int) -> None:
     """Build a store from the bundled HotpotQA sample, then answer sample questions cached and by full prefill."""
     from pc_rag.sample import sample_questions
@@ -245,6 +253,7 @@ def demo(lm: LoadedModel, questions: int) -> None:
         store.add_documents(list(docs.items()))
         server = PromptServer(store=store)
         warm_up(server, sample[0].question, k=5, mode=None, full=True)
+        print(model_note(lm))
         print(f"{'question':<58} {'cached':>8} {'full':>8}  answer (cached | full) [gold]")
         for q in sample[:questions]:
             cached = server.answer(q.question, k=5, max_new_tokens=24)
