@@ -119,3 +119,14 @@ def test_too_few_usable_questions_are_refused_with_chunks_needed(store, cache, t
     assert "fewer than the 16 and 4 tune --store needs" in message, message
     assert "(50%); at that rate it needs about 32 chunks in training documents and 8 in held-out ones" in message
     assert not (tmp_path / "a.safetensors").exists()
+
+
+def test_too_few_chunks_are_refused_before_any_question(store, cache, tmp_path, monkeypatch) -> None:  # noqa: F811
+    monkeypatch.setattr("pc_rag.tune.store_command.MIN_PAIRS", {"train": 1, "val": 1000})
+    written = []
+    monkeypatch.setattr("pc_rag.tune.store_pairs.write_question", lambda engine, text: written.append(text) or "x")
+    with pytest.raises(PCRagError, match=r"chunks in training documents and \d+ in held-out ones; .* at least 1 and "
+                                         r"1000 usable ones"):  # fmt: skip
+        tune_store(store, tmp_path / "w", tmp_path / "a.safetensors", pairs=2000, held_out=0.5, k=2,
+                   adapter_config=AdapterConfig(rank=2), train_config=CONFIG, progress=False)  # fmt: skip
+    assert written == []

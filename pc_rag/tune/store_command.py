@@ -49,6 +49,7 @@ def tune_store(
     report (``teacher_only``: stop after the teacher, returning the counts and costs so far)."""
     source = StorePairSource(store, work, pairs=pairs, k=k, held_out=held_out)
     _check_wanted(source.wanted, pairs, held_out)
+    _check_chunks(source)
     cost: dict[str, float] = {}
     start = time.perf_counter()
     written = source.write_questions(progress=progress)
@@ -83,6 +84,19 @@ def _check_wanted(wanted: dict[str, int], pairs: int, held_out: float) -> None:
     msg = (f"--pairs {pairs} with --held-out {held_out} asks for {wanted['train']} training and {wanted['val']} "
            f"held-out questions; tune --store needs at least {MIN_PAIRS['train']} and {MIN_PAIRS['val']}: "
            f"give --pairs {least} or more")  # fmt: skip
+    raise PCRagError(msg)
+
+
+def _check_chunks(source: StorePairSource) -> None:
+    """Refuse a store with fewer chunks than ``MIN_PAIRS`` questions (one question per chunk at most), before
+    any question is written."""
+    have = source.chunk_counts()
+    if all(have[s] >= MIN_PAIRS[s] for s in MIN_PAIRS):
+        return
+    msg = (f"{source.store.directory}: {have['train']} chunks in training documents and {have['val']} in held-out "
+           f"ones; the model writes at most one question per chunk and tune --store needs at least "
+           f"{MIN_PAIRS['train']} and {MIN_PAIRS['val']} usable ones (usually several times as many chunks): "
+           "index more documents")  # fmt: skip
     raise PCRagError(msg)
 
 
