@@ -246,7 +246,12 @@ def model_directory(name_or_path: str) -> str:
             msg = f"model {name_or_path!r} needs the package {package!r}: run `{install}`"
             raise ModelLoadError(msg)
         if filename is None:  # a package that assembles its GGUF from parts (it imports only the stdlib)
-            return str(_converted(importlib.import_module(package).assemble()))
+            try:
+                assembled = importlib.import_module(package).assemble()
+            except (ImportError, OSError) as e:  # a part package missing or a part file gone
+                msg = f"model {name_or_path!r}: the package {package!r} is incomplete ({e}); reinstall it: `{install}`"
+                raise ModelLoadError(msg) from e
+            return str(_converted(assembled))
         return str(_converted(Path(spec.origin).parent / filename))
     path = Path(name_or_path).expanduser()
     if path.suffix == ".gguf":
