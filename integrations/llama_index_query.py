@@ -121,12 +121,13 @@ class PromptCacheQueryEngine(CustomQueryEngine):
 
     def custom_query(self, query_str: str) -> Response | StreamingResponse:
         nodes = self.retrieve(query_str)
-        prompt = self.prompt(query_str, nodes)
+        prompt = self.prompt(query_str, nodes)  # laid out in the retriever's order
         metadata: dict[str, Any] = {n.node.node_id: n.node.metadata for n in nodes}
+        ranked = best_first(nodes)  # sources as a reader expects them, whatever the layout
         if self.streaming:
-            return StreamingResponse(_deltas(self.llm, prompt, metadata), source_nodes=nodes, metadata=metadata)
+            return StreamingResponse(_deltas(self.llm, prompt, metadata), source_nodes=ranked, metadata=metadata)
         reply = self.llm.complete(prompt, formatted=True)
-        return Response(reply.text, source_nodes=nodes, metadata=metadata | {STATS_KEY: reply.additional_kwargs})
+        return Response(reply.text, source_nodes=ranked, metadata=metadata | {STATS_KEY: reply.additional_kwargs})
 
     def _get_prompts(self) -> PromptDictType:
         return {"qa_template": self.qa_template}
@@ -134,6 +135,11 @@ class PromptCacheQueryEngine(CustomQueryEngine):
     def _update_prompts(self, prompts_dict: PromptDictType) -> None:
         if "qa_template" in prompts_dict:
             self.qa_template = prompts_dict["qa_template"]
+
+
+def best_first(nodes: list[NodeWithScore]) -> list[NodeWithScore]:
+    """``nodes`` by score, highest first (unscored last; ties keep their order)."""
+    return sorted(nodes, key=lambda n: -n.score if n.score is not None else float("inf"))
 
 
 def _deltas(llm: PromptCacheLLM, prompt: str, metadata: dict[str, Any]) -> Iterator[str]:

@@ -146,6 +146,20 @@ def cache_dir() -> Path:
     return Path(xdg) / "pc-rag"
 
 
+def check_device(device: str | torch.device) -> None:
+    """``ModelLoadError`` for a device this torch cannot use (``cuda`` without CUDA), before anything loads."""
+    try:
+        kind = torch.device(device).type
+    except (RuntimeError, TypeError) as e:
+        msg = f"unknown device {str(device)!r}: give cpu or cuda (cuda:N)"
+        raise ModelLoadError(msg) from e
+    if kind == "cuda" and not torch.cuda.is_available():
+        why = "this torch was built without CUDA" if torch.version.cuda is None else "no CUDA GPU is visible"
+        msg = (f"device {str(device)!r} is not available: {why}; use --device cpu (in Python: device='cpu'), "
+               "or install a CUDA build of torch on a machine with a GPU")  # fmt: skip
+        raise ModelLoadError(msg)
+
+
 def load_model(
     name_or_path: str = DEFAULT_MODEL,
     device: str | torch.device = "cpu",
@@ -160,6 +174,7 @@ def load_model(
     ``UnsupportedModelError`` when the architecture cannot be served.
     """
     compute = compute_dtype(dtype)  # an unknown dtype fails before anything loads
+    check_device(device)
     directory = model_directory(name_or_path)
     load_dtype = torch.float32 if compute.linear else compute.activations  # quantize from the full weights
     try:
@@ -231,7 +246,12 @@ def model_directory(name_or_path: str) -> str:
             msg = f"model {name_or_path!r} needs the package {package!r}: run `{install}`"
             raise ModelLoadError(msg)
         if filename is None:  # a package that assembles its GGUF from parts (it imports only the stdlib)
-            return str(_converted(importlib.import_module(package).assemble()))
+            try:
+                assembled = importlib.import_module(package).assemble()
+            except (ImportError, OSError) as e:  # a part package missing or a part file gone
+                msg = f"model {name_or_path!r}: the package {package!r} is incomplete ({e}); reinstall it: `{install}`"
+                raise ModelLoadError(msg) from e
+            return str(_converted(assembled))
         return str(_converted(Path(spec.origin).parent / filename))
     path = Path(name_or_path).expanduser()
     if path.suffix == ".gguf":

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 from types import MappingProxyType
@@ -97,6 +98,9 @@ def test_demo(home, capsys, monkeypatch) -> None:
     few_questions(monkeypatch, "pc_rag.sample")
     out, _ = run(home, capsys, "demo", "--questions", "1")
     assert "building a store" in out and "question" in out
+    (note,) = [line for line in out.splitlines() if line.startswith("answers by ")]  # one line, above the answers
+    assert re.search(r"\(\d+M parameters; .*load a larger one with `pc-rag --model DIR`", note), note
+    assert out.splitlines().index(note) + 1 == next(i for i, line in enumerate(out.splitlines()) if "[gold]" in line)
 
 
 def test_serve_answers_a_rag_request(home, store, capsys, monkeypatch) -> None:
@@ -245,9 +249,13 @@ def test_tune_writes_an_adapter_that_serving_finds(home, capsys, tmp_path, monke
     out, _ = run(home, capsys, *tune, "--epochs", "1", "--accumulate", "1", "--eval-every", "2",
                  "--recompute", "0,0.5", "--calibrate", "1:1,1.1")  # fmt: skip
     assert "4 training pairs, 2 validation" in out and "APE calibration" in out
+    assert not (tmp_path / "cache" / "tuned").exists()  # nothing installed
+    adapter = re.search(r"pc-rag tune --install (\S+)`", out).group(1)
+    out, _ = run(home, capsys, "tune", "--install", adapter)
+    assert out.startswith(f"installed {adapter} -> ") and "it replaces no adapter" in out
     run(home, capsys, "bench", "peers", "--tokens", "200", "--runs", "1", "--json", str(tmp_path / "p.json"))
     (fast,) = [r for r in json.loads((tmp_path / "p.json").read_text()) if r["peer"].startswith("pc-rag cached, fast")]
-    assert fast["ttft_ms"] > 0, fast["note"]  # found where serving looks, without --out
+    assert fast["ttft_ms"] > 0, fast["note"]  # found where serving looks once installed
 
 
 def test_tune_store_writes_the_adapter_fast_then_serves(home, store, capsys, tmp_path, monkeypatch) -> None:
@@ -265,10 +273,22 @@ def test_tune_store_writes_the_adapter_fast_then_serves(home, store, capsys, tmp
     )
     assert "--variants goes with --dataset" in fails(home, capsys, "tune", "--store", str(store), "--variants", "open")
     tune = ["tune", "--store", str(store), "--work", str(tmp_path / "work"), "--pairs", "3"]
+    assert "tune --store needs at least 16 and 4: give --pairs" in fails(home, capsys, *tune)
+    monkeypatch.setattr("pc_rag.tune.store_command.MIN_PAIRS", {"train": 1, "val": 1})
+    (tmp_path / "taken.safetensors").write_bytes(b"")
+    assert "exists; tune writes a new file" in fails(home, capsys, *tune, "--out", str(tmp_path / "taken.safetensors"))
+    into = str(tmp_path / "cache" / "tuned" / "x.safetensors")
+    assert "is where serving finds installed adapters" in fails(home, capsys, *tune, "--out", into)
     out, _ = run(home, capsys, *tune, "--epochs", "1", "--accumulate", "1", "--eval-every", "1")
     assert "questions: 2 training, 1 held out" in out and "2 training pairs, 1 validation" in out, out
     assert "this run: questions 3 in " in out and "teacher 3 in " in out and "train 2 in " in out, out
-    run(home, capsys, *ask)  # fast finds the adapter where serving looks, without --out
+    assert "make one with `pc-rag tune`" in fails(home, capsys, *ask)  # written, not installed
+    adapter = re.search(r"pc-rag tune --install (\S+)`", out).group(1)
+    run(home, capsys, "tune", "--install", adapter)
+    run(home, capsys, *ask)  # fast finds the installed adapter
+    out, _ = run(home, capsys, "tune", "--restore")
+    assert out.startswith("removed ") and "serving finds no adapter for this model" in out
+    assert "make one with `pc-rag tune`" in fails(home, capsys, *ask)
     out, _ = run(home, capsys, *tune, "--teacher-only")
     assert "teacher data: 3 pairs (questions 0 in 0.0 min, teacher 0 in 0.0 min)" in out  # a rerun adds nothing
 

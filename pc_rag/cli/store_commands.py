@@ -19,6 +19,7 @@ from pc_rag.server.prompt_server import PromptServer
 from pc_rag.store.codec_setup import parse_codec
 from pc_rag.store.document_store import DocumentStore
 from pc_rag.store.files import bytes_on_disk, check_store_directory
+from pc_rag.store.handles import ModuleHandle
 from pc_rag.store.ingest import SourceDocument
 from pc_rag.store.kvstore import STORAGE_DTYPES
 from pc_rag.store.manifest import MANIFEST_NAME, Manifest
@@ -176,9 +177,9 @@ def ask(lm: LoadedModel, store_dir: Path, question: str, *, k: int, mode: str | 
     print(answer.text.strip())
     print("\nsources:")
     for h in answer.sources:
-        print(
-            f"  [{h.score:.3f}] {h.doc_id} {h.metadata.get('title') or h.metadata.get('source', '')}: {h.text[:80]!r}"
-        )
+        print(f"  [{h.score:.3f}] {source_line(h)}")
+    for h in answer.skipped:
+        print(f"  skipped, its KV is damaged: chunk {h.chunk_id} of {source_label(h)}")
     stats = answer.result.stats
     print(
         f"\nTTFT {stats.ttft_ms:.0f} ms cached ({stats.cached_tokens} cached, {stats.computed_tokens} computed tokens)"
@@ -186,6 +187,17 @@ def ask(lm: LoadedModel, store_dir: Path, question: str, *, k: int, mode: str | 
     if compare_full:
         full = server.answer_full(question, k=k, max_new_tokens=max_new_tokens)
         print(f"TTFT {full.result.stats.ttft_ms:.0f} ms full prefill; full prefill answered: {full.text.strip()!r}")
+
+
+def source_label(handle: ModuleHandle) -> str:
+    """What names a source for a reader: its title, else its file (``source``), else its document id."""
+    return str(handle.metadata.get("title") or handle.metadata.get("source") or handle.doc_id)
+
+
+def source_line(handle: ModuleHandle, width: int = 80) -> str:
+    """``label: "snippet"``, the snippet on one line (line breaks and runs of spaces as one space)."""
+    snippet = " ".join(handle.text.split())
+    return f'{source_label(handle)}: "{snippet[:width]}{"…" if len(snippet) > width else ""}"'
 
 
 def warm_up(server: PromptServer, question: str, *, k: int, mode: str | None, full: bool) -> None:
@@ -226,6 +238,14 @@ def serve(lm: LoadedModel, store_dir: Path, *, host: str, port: int, mode: str |
         server.should_exit = True
 
 
+def model_note(lm: LoadedModel) -> str:
+    """One line on the model answering: its size, and how to load a larger one."""
+    params = sum(p.numel() for p in lm.model.parameters())
+    size = f"{params / 1e9:.1f}B" if params >= 1e9 else f"{params / 1e6:.0f}M"
+    return (f"answers by {lm.name} ({size} parameters; a small model is often wrong): load a larger one with "
+            "`pc-rag --model DIR` (a local Hugging Face directory; docs/cli.md#a-larger-local-model)")  # fmt: skip
+
+
 def demo(lm: LoadedModel, questions: int) -> None:
     """Build a store from the bundled HotpotQA sample, then answer sample questions cached and by full prefill."""
     from pc_rag.sample import sample_questions
@@ -238,6 +258,7 @@ def demo(lm: LoadedModel, questions: int) -> None:
         store.add_documents(list(docs.items()))
         server = PromptServer(store=store)
         warm_up(server, sample[0].question, k=5, mode=None, full=True)
+        print(model_note(lm))
         print(f"{'question':<58} {'cached':>8} {'full':>8}  answer (cached | full) [gold]")
         for q in sample[:questions]:
             cached = server.answer(q.question, k=5, max_new_tokens=24)

@@ -324,6 +324,11 @@ class RagEngine:
         pieces = _Pieces((text, ids), head.kv, tuple(chunks), tail)
         return self._request(pieces, self._mode(mode), own_tokens=head.computed, **kwargs)
 
+    def request_full(self, chunks: Sequence[Chunk], question: str, **kwargs: object) -> Request:
+        """``request``'s tokens served by full prefill (the baseline), ending as ``request`` does (stop texts)."""
+        params = replace(SamplingParams(), **self._with_stop(kwargs))  # type: ignore[arg-type]
+        return full_request(self.full_ids(chunks, question), params)
+
     def _with_stop(self, kwargs: dict[str, object]) -> dict[str, object]:
         """``kwargs`` with the wrappers' stop texts (a base model's reply ends at a line break) unless given."""
         return kwargs if "stop" in kwargs or not self.wrappers.stop else {**kwargs, "stop": self.wrappers.stop}

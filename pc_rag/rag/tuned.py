@@ -40,6 +40,12 @@ def codec_tables_file(fingerprint: str) -> Path:
     return Path(f"{fingerprint}.cachegen.safetensors")
 
 
+def installed_adapter(fingerprint: str) -> Path | None:
+    """The adapter serving finds for the model ``fingerprint`` (user cache first, then the package), or None."""
+    return next((d / adapter_file(fingerprint) for d in tuned_dirs() if (d / adapter_file(fingerprint)).is_file()),
+                None)  # fmt: skip
+
+
 def find_codec_tables(fingerprint: str) -> Path | None:
     """The CacheGen tables fitted for the model ``fingerprint`` (user cache first, then the package), or None."""
     return next(
@@ -104,7 +110,7 @@ class Tuned:
         with self._lock:
             if self._adapter is not None:
                 return True
-        return any((d / adapter_file(self.fingerprint())).is_file() for d in tuned_dirs())
+        return installed_adapter(self.fingerprint()) is not None
 
     def calibration(self) -> Calibration:
         with self._lock:
@@ -123,6 +129,6 @@ class Tuned:
         searched = ", ".join(str(d) for d in tuned_dirs())
         msg = (
             f"no {what} for model {self.lm.name!r} (fingerprint {self.fingerprint()}) in {searched}; "
-            "make one with `pc-rag tune`, or choose a mode without it"
+            "make one with `pc-rag tune` and serve it with `pc-rag tune --install FILE`, or choose a mode without it"
         )
         raise PCRagError(msg)

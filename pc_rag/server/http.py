@@ -164,10 +164,11 @@ def create_app(server: PromptServer, *, api_key: str | None = None) -> Any:
         system, turns = body.conversation()
         if route.rag:
             k = body.k or DEFAULT_K
-            handles, request = scheduler.call(lambda: server.rag_chat_request(turns, system, k, route.mode, **sampling))
-            return _respond(
-                Reply(route.id, True, {"sources": _sources(handles)}), request, body.stream, body.include_usage
+            handles, request, skipped = scheduler.call(
+                lambda: server.rag_chat_request(turns, system, k, route.mode, **sampling)
             )
+            metadata = {"sources": _sources(handles), "skipped_damaged": _sources(skipped)}
+            return _respond(Reply(route.id, True, metadata), request, body.stream, body.include_usage)
         if body.k is not None:
             raise RequestError(f"k retrieves from the store: use the model {ids.model}+rag", "k")
         request = scheduler.call(lambda: server.request_chat(turns, system, **sampling))
@@ -182,6 +183,7 @@ def create_app(server: PromptServer, *, api_key: str | None = None) -> Any:
         return {
             "answer": answer.text,
             "sources": _sources(answer.sources),
+            "skipped_damaged": _sources(answer.skipped),  # retrieved, left out: their KV fails its checksum
             "timings": {"ttft_ms": result.stats.ttft_ms, "total_ms": result.stats.total_ms},
             "usage": {
                 "cached_tokens": result.stats.cached_tokens, "computed_tokens": result.stats.computed_tokens,

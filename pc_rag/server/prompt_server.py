@@ -34,6 +34,7 @@ from pc_rag.runtime.request import Request
 from pc_rag.runtime.scheduler import Scheduler
 from pc_rag.store.document_store import DocumentStore
 from pc_rag.store.handles import ModuleHandle
+from pc_rag.store.intact_chunks import intact_chunks
 
 # what a framework user may set; keep_logits is a measurement switch of the eval, not a generation setting
 SAMPLING_FIELDS = frozenset(SamplingParams.__dataclass_fields__) - {"keep_logits"}
@@ -48,6 +49,7 @@ class Answer:
     text: str
     sources: tuple[ModuleHandle, ...]
     result: GenerationResult
+    skipped: tuple[ModuleHandle, ...] = ()  # retrieved, but left out: their KV fails its checksum
 
 
 @dataclass
@@ -114,19 +116,20 @@ class PromptServer:
         order: str = DEFAULT_ORDER,
         full: bool = False,
         **sampling: object,
-    ) -> tuple[tuple[ModuleHandle, ...], Request]:
-        """The retrieved handles, best first whatever the layout ``order``, and ``answer``'s request (``full``: by
-        full prefill of the same tokens)."""
+    ) -> tuple[tuple[ModuleHandle, ...], Request, tuple[ModuleHandle, ...]]:
+        """The handles answered from, best first whatever the layout ``order``, ``answer``'s request (``full``: by
+        full prefill of the same tokens), and the retrieved handles skipped because their KV is damaged."""
         store = self._require_store("answering a question")
         _check_settings(sampling, SamplingParams.__dataclass_fields__)
         if not full:
             store.check_mode(self._mode(mode))  # chunks encoded otherwise than the mode reads them: before retrieval
         ranked = tuple(store.search(question, k))  # best first: how sources are listed
-        chunks = store.chunks(reorder(ranked, order))  # how the prompt lays them out
+        chunks, skipped = intact_chunks(store, reorder(ranked, order))  # how the prompt lays them out
+        lost = {h.chunk_id for h in skipped}
+        used = tuple(h for h in ranked if h.chunk_id not in lost)
         if full:
-            ids = store.engine.full_ids(chunks, question)
-            return ranked, full_request(ids, SamplingParams(**sampling))  # type: ignore[arg-type]
-        return ranked, store.engine.request(chunks, question, self._mode(mode), **sampling)
+            return used, store.engine.request_full(chunks, question, **sampling), skipped
+        return used, store.engine.request(chunks, question, self._mode(mode), **sampling), skipped
 
     def answer_chat(
         self,
@@ -149,20 +152,22 @@ class PromptServer:
         condense: bool = True,
         order: str = DEFAULT_ORDER,
         **sampling: object,
-    ) -> tuple[tuple[ModuleHandle, ...], Request]:
+    ) -> tuple[tuple[ModuleHandle, ...], Request, tuple[ModuleHandle, ...]]:
         """The answer to a conversation's last user turn from the store: retrieval for that turn made standalone
         (``condense``: ``rag.condense``), the chunks spliced after ``system`` and the earlier ``(role, text)``
-        turns, whose KV the prefix cache keeps from turn to turn (``RagEngine.request_chat``)."""
+        turns, whose KV the prefix cache keeps from turn to turn (``RagEngine.request_chat``). Returns the handles
+        answered from, the request, and the retrieved handles skipped because their KV is damaged."""
         store = self._require_store("answering a question")
         _check_settings(sampling, SamplingParams.__dataclass_fields__)
         store.check_mode(self._mode(mode))
         ranked = tuple(store.search(standalone_query(turns, condense=condense), k))
-        chunks = store.chunks(reorder(ranked, order))
+        chunks, skipped = intact_chunks(store, reorder(ranked, order))
+        lost = {h.chunk_id for h in skipped}
         history, question = turns[:-1], turns[-1][1]
         request = store.engine.request_chat(
             system, history, chunks, question, self._mode(mode), prefix_cache=self.prefix_cache, **sampling
         )
-        return ranked, request
+        return tuple(h for h in ranked if h.chunk_id not in lost), request, skipped
 
     def stream(self, prompt: str, *, mode: str | None = None, full: bool = False, **sampling: object) -> ReplyStream:
         """Text deltas of the reply to ``prompt``; ``sampling`` are ``SamplingParams`` fields (see ``request``)."""
@@ -283,13 +288,15 @@ class PromptServer:
         text = w.wrap("system", system) + "".join(w.wrap(role, c) for role, c in turns) + w.generation_prompt  # type: ignore[arg-type]
         return self._full_request(self._backend.tokenize(text), sampling)
 
-    def _answer(self, build: Callable[[], tuple[tuple[ModuleHandle, ...], Request]]) -> Answer:
-        handles, request = self._built(build)
+    def _answer(
+        self, build: Callable[[], tuple[tuple[ModuleHandle, ...], Request, tuple[ModuleHandle, ...]]]
+    ) -> Answer:
+        handles, request, skipped = self._built(build)
         reply = self._submit(request)
         for _ in reply:
             pass
         assert reply.result is not None, "the reply ended without a result"
-        return Answer(reply.result.text, handles, reply.result)
+        return Answer(reply.result.text, handles, reply.result, skipped)
 
     def _serve(self, build: Callable[[], Request]) -> ReplyStream:
         return self._submit(self._built(build))

@@ -60,9 +60,10 @@ class RepairReport:
                 "(documents already stored unchanged are skipped)")  # fmt: skip
 
 
-def check_contents(directory: Path, manifest: Manifest, kv: KVStore, index: VectorIndex) -> str:
+def check_contents(directory: Path, manifest: Manifest, kv: KVStore, index: VectorIndex, *, hint: bool = True) -> str:
     """A summary if every checksum and cross-reference is sound (with a note naming files that interrupted
-    writes left, which are harmless), else ``StoreCorruptedError`` naming each problem."""
+    writes left, which are harmless), else ``StoreCorruptedError`` naming each problem (``hint``: and the
+    command that repairs them)."""
     m = manifest
     problems = [_shard_problem(kv, name) for name in sorted(m.shards) if kv.problem(name)]
     stored, indexed, listed = set(kv.ids()), set(index.ids()), set(m.chunks)
@@ -76,7 +77,7 @@ def check_contents(directory: Path, manifest: Manifest, kv: KVStore, index: Vect
     problems += [f"{len(found)} {what} (e.g. {found[0]})" for what, found in checks.items() if found]
     if problems:
         msg = f"the store at {directory} has problems: " + "; ".join(problems)
-        msg += f"; run `pc-rag store repair --store {directory}`"
+        msg += f"; run `pc-rag store repair --store {directory}`" if hint else ""
         raise StoreCorruptedError(msg)
     summary = (
         f"{directory}: {len(m.docs)} documents, {len(m.chunks)} chunks, {len(m.shards)} KV shards "
@@ -93,7 +94,7 @@ def check_contents(directory: Path, manifest: Manifest, kv: KVStore, index: Vect
 
 
 def _shard_problem(kv: KVStore, name: str) -> str:
-    problem, lost, total = kv.problem(name), kv.damaged(name), len(kv.manifest.shards[name].chunk_ids)
+    problem, lost, total = kv.problem(name, hint=False), kv.damaged(name), len(kv.manifest.shards[name].chunk_ids)
     return f"{problem} ({len(lost)} of its {total} chunks damaged{': ' + str(lost[:5]) if lost else ''})"
 
 
@@ -103,9 +104,11 @@ def repair_contents(
 ) -> RepairReport:  # fmt: skip
     """Encode again (``reencode``) the listed chunks whose KV is damaged or missing, or else drop their documents;
     drop documents missing a chunk, KV and index entries of no listed chunk; re-embed listed chunks the index
-    lacks; compact the KV. The caller commits, which also removes the unlisted files counted here."""
+    lacks; compact the KV, rewriting every shard that fails its checksum (a damaged header included) from its
+    chunks that match their own. The caller commits, which also removes the unlisted files counted here."""
     shards, chunks = manifest.shards, manifest.chunks
-    damaged = {c for name in shards for c in kv.damaged(name)}
+    bad = [name for name in shards if kv.problem(name) is not None]  # rewritten from their intact chunks
+    damaged = {c for name in bad for c in kv.damaged(name)}
     stored = set(kv.ids())
     lost = sorted(c for c in chunks if c in damaged or c not in stored)
     if lost and reencode is not None:
@@ -131,6 +134,6 @@ def repair_contents(
     if unembedded:
         index.add(unembedded, embedder.embed_documents([chunks[c].text for c in unembedded]))
     leftovers = len(unlisted(directory, manifest.listed_files()))
-    freed = kv.compact()
+    freed = kv.compact(rewrite=bad) if bad else kv.compact()
     return RepairReport(tuple(partial), orphans, unindexed, len(unembedded), leftovers, freed, reencoded,
                         tuple(dict.fromkeys(sources)))  # fmt: skip

@@ -92,6 +92,7 @@ class DocumentStore:
         self._writer = WriterLock(self.directory)
         self._write_mutex = threading.RLock()  # one write at a time in this process
         self._seen = manifest_stamp(self.directory)
+        self.warned_damaged: set[int] = set()  # chunks an answer skipped as damaged, warned about (intact_chunks)
 
     @classmethod
     def create(
@@ -247,14 +248,20 @@ class DocumentStore:
         """Bring the store back to a consistent state after damage or an old pc-rag's interrupted write, and
         commit (``consistency.repair_contents`` says what it drops and rebuilds). Chunks whose KV is damaged or
         missing are encoded again from their text with this store's engine (``reencode``), else their documents
-        are dropped and named in the report. A store written by this version needs none of it after a crash: see
-        the class docstring."""
+        are dropped and named in the report. ``StoreCorruptedError`` naming what is left when the store still
+        fails ``verify`` afterwards. A store written by this version needs none of it after a crash: see the
+        class docstring."""
         with self._write_mutex:
             self._begin_write()
             again = partial(encode_again, self) if reencode else None
             report = repair_contents(self.directory, self.manifest, self.kv, self.index, self.embedder, again)
             self.commit()
-            return report
+        try:
+            check_contents(self.directory, self.manifest, self.kv, self.index, hint=False)
+        except StoreCorruptedError as e:
+            msg = f"repair could not fix everything ({report}); what is left: {e}"
+            raise StoreCorruptedError(msg) from e
+        return report
 
     def verify(self) -> str:
         """Check every checksum and cross-reference without writing; a summary, or ``StoreCorruptedError``

@@ -283,8 +283,9 @@ class KVStore:
                 self._forget(gone)
             return len(gone)
 
-    def compact(self) -> int:
-        """Rewrite shards holding dead entries without them; return the bytes this frees on disk.
+    def compact(self, rewrite: Iterable[str] = ()) -> int:
+        """Rewrite shards holding dead entries without them, and the shards named in ``rewrite`` (a damaged one:
+        its live chunks must each match their own checksum); return the bytes this frees on disk.
 
         Owning its manifest, the store commits and removes the retired shards and stray files; a shared
         manifest's owner does that after its own commit (the retired shards are then unlisted files).
@@ -292,7 +293,8 @@ class KVStore:
         with self._lock:
             before = self.nbytes
             shards = dict(self.manifest.shards)
-            retired = [n for n, s in shards.items() if s.dead]
+            again = set(rewrite)
+            retired = [n for n, s in shards.items() if s.dead or n in again]
             for name in retired:
                 record = shards.pop(name)
                 live = _live(record)
@@ -330,9 +332,9 @@ class KVStore:
 
     def verify(self) -> None:
         """Check every shard against its recorded sha256; ``StoreCorruptedError`` naming each bad one."""
-        problems = [p for name in sorted(self.manifest.shards) if (p := self.problem(name))]
+        problems = [p for name in sorted(self.manifest.shards) if (p := self.problem(name, hint=False))]
         if problems:
-            msg = f"KV store at {self.directory} is damaged: " + "; ".join(problems)
+            msg = f"KV store at {self.directory} is damaged: " + "; ".join(problems) + f"; {self._repair_hint}"
             raise StoreCorruptedError(msg)
 
     def close(self) -> None:
@@ -418,10 +420,10 @@ class KVStore:
                 handle = self._handles.get(name)
             if handle is not None:
                 return handle
-            problem = self.problem(name)
+            problem = self.problem(name, hint=False)
             record = self.manifest.shards.get(name)
             if problem and not (record and record.chunk_sha256 and (self.directory / name).is_file()):
-                msg = f"KV store at {self.directory} is damaged: {problem}"
+                msg = f"KV store at {self.directory} is damaged: {problem}; {self._repair_hint}"
                 raise StoreCorruptedError(msg)
             try:
                 handle = safe_open(str(self.directory / name), framework="pt")
@@ -436,17 +438,18 @@ class KVStore:
                     self._suspect.add(name)
             return handle
 
-    def problem(self, name: str) -> str | None:
-        """What is wrong with shard ``name`` on disk, or None."""
+    def problem(self, name: str, *, hint: bool = True) -> str | None:
+        """What is wrong with shard ``name`` on disk, or None (``hint``: ending with the command that repairs it)."""
         path = self.directory / name
+        repair = f"; {self._repair_hint}" if hint else ""
         if not path.is_file():
-            return f"shard {name} is missing (restore the file, or {self._repair_hint})"
+            return f"shard {name} is missing (restore the file{', or ' + self._repair_hint if hint else ''})"
         actual = sha256_file(path)
         record = self.manifest.shards.get(name)
         if record is None:
             return f"shard {name} is no longer listed in the manifest (the store changed; load it again)"
         if actual != record.sha256:
-            return f"shard {name} does not match its checksum (sha256 {actual[:12]}…); {self._repair_hint}"
+            return f"shard {name} does not match its checksum (sha256 {actual[:12]}…){repair}"
         return None
 
     @property

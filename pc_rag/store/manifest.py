@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import shlex
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -216,10 +217,22 @@ class Manifest:
             raise StoreMismatchError(msg, {k: (None, v) for k, v in wanted.items()})
         stored = asdict(self.identity)
         diff = {k: (stored[k], v) for k, v in wanted.items() if stored[k] != v}
+        if "model_name" in diff:  # another model: the fix is to load the store's, whatever else follows from it
+            built, loaded = diff["model_name"]
+            rest = sorted(set(diff) - _FOLLOW_THE_MODEL)
+            also = f"; it also differs in {', '.join(rest)}" if rest else ""
+            msg = (f"the store was built with the model {built!r}, not {loaded!r}: give `--model {shlex.quote(built)}` "
+                   f"(in Python: load_model({built!r})){also}")  # fmt: skip
+            raise StoreMismatchError(msg, diff)
         if diff:
             lines = "; ".join(f"{k}: store was built with {a!r}, you loaded {b!r}" for k, (a, b) in diff.items())
             msg = f"the store does not match this setup ({lines}); rebuild the store or load what it was built with"
             raise StoreMismatchError(msg, diff)
+
+
+# identity fields another model changes by itself: named by the model mismatch, not one by one
+_FOLLOW_THE_MODEL = {"model_name", "model_fingerprint", "model_dtype", "tokenizer_hash", "preamble_hash",
+                     "start_position", "chunk_encoder"}  # fmt: skip
 
 
 def _shard(data: dict[str, Any]) -> ShardRecord:

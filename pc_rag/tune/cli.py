@@ -21,9 +21,17 @@ def add_parsers(commands: argparse._SubParsersAction, positive: Callable[[str], 
     data = tune.add_mutually_exclusive_group(required=True)
     data.add_argument("--dataset", type=Path, help="the HotpotQA dev JSONL the tuning split (300-699) is in")
     data.add_argument("--store", type=Path, help="a document store: the model writes questions about its chunks")
+    data.add_argument(
+        "--install", type=Path, metavar="FILE",
+        help="serve this adapter (written by tune) if it beat the installed one on held-out pairs",
+    )  # fmt: skip
+    data.add_argument("--restore", action="store_true",
+                      help="serve the shipped adapter again (removes the one --install put in the cache)")  # fmt: skip
     tune.add_argument("--work", type=Path, default=None,
                       help="teacher data and chunk stores (default: cache/tune, or cache/tune/store-<id>)")  # fmt: skip
-    tune.add_argument("--out", type=Path, default=None, help="adapter file (default: where serving looks for it)")
+    tune.add_argument("--out", type=Path, default=None,
+                      help="new adapter file (default: cache/tune/adapters/<model>-<time>.safetensors); "
+                      "serving uses it only after `tune --install`")  # fmt: skip
     tune.add_argument("--variants", default=None, help="comma-separated context variants (default: all)")
     tune.add_argument("--pairs", type=positive, default=400, help="--store: questions to write (default 400)")
     tune.add_argument("--held-out", type=float, default=0.1,
@@ -74,6 +82,8 @@ def check_tune_args(args: argparse.Namespace) -> None:
     if args.init is not None and not args.init.is_file():
         msg = f"--init {args.init}: no such adapter file"
         raise PCRagError(msg)
+    if args.out is not None:
+        _check_out(args.out)
     if args.store is None:
         return
     if args.questions is not None:
@@ -88,19 +98,68 @@ def check_tune_args(args: argparse.Namespace) -> None:
     check_store_target(args.store, must_exist=True)
 
 
+def _check_out(out: Path) -> None:
+    """Refuse an ``--out`` that would overwrite a file or write where serving looks (that is ``--install``)."""
+    from pc_rag.rag.tuned import tuned_dirs
+
+    if out.exists():
+        msg = f"--out {out} exists; tune writes a new file: give another name"
+        raise PCRagError(msg)
+    if out.resolve().parent in {d.resolve() for d in tuned_dirs()}:
+        msg = (f"--out {out} is where serving finds installed adapters; write elsewhere, then "
+               "`pc-rag tune --install FILE` installs it if it beats the installed one")  # fmt: skip
+        raise PCRagError(msg)
+
+
+def _default_out(fingerprint: str) -> Path:
+    """A new file for a trained adapter: ``cache/tune/adapters/<fingerprint>-<UTC time>.safetensors``."""
+    import time
+
+    from pc_rag.model import cache_dir
+
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+    out = cache_dir() / "tune" / "adapters" / f"{fingerprint}-{stamp}.safetensors"
+    n = 1
+    while out.exists():
+        out, n = out.with_name(f"{fingerprint}-{stamp}-{n}.safetensors"), n + 1
+    return out
+
+
+def run_install(args: argparse.Namespace) -> int:
+    """``tune --install FILE`` (needs no model: the report names it)."""
+    from pc_rag.tune.install import install
+
+    done = install(args.install)
+    was = ("no adapter" if done.replaced is None
+           else f"{done.replaced}, held-out mean KL {done.replaced_kl:.4f}")  # fmt: skip
+    print(f"installed {args.install} -> {done.path} (held-out mean KL {done.mean_kl:.4f}; it replaces {was})")
+    print("undo with `pc-rag tune --restore` (the shipped adapter serves again)")
+    return 0
+
+
+def run_restore(lm: object) -> int:
+    from pc_rag.tune.install import restore
+
+    removed, now = restore(lm.fingerprint())  # type: ignore[attr-defined]
+    gone = ", ".join(str(p) for p in removed) or "nothing (no adapter was installed)"
+    print(f"removed {gone}; serving finds {now or 'no adapter for this model (none is shipped)'}")
+    return 0
+
+
 def run_tune(args: argparse.Namespace, lm: object) -> int:
+    if args.restore:
+        return run_restore(lm)
     if args.store is not None:
         return _run_tune_store(args, lm)
     from pc_rag.model import cache_dir
     from pc_rag.rag import RagEngine, RagPrompt
-    from pc_rag.rag.tuned import adapter_file, tuned_dirs
     from pc_rag.tune.command import tune
     from pc_rag.tune.pairs import VARIANTS
 
     engine = RagEngine(lm, RagPrompt.longbench())
     variants = tuple(v.strip() for v in args.variants.split(",")) if args.variants else VARIANTS
     adapter_config, train_config = _configs(args)
-    out = args.out or tuned_dirs()[0] / adapter_file(lm.fingerprint())
+    out = args.out or _default_out(lm.fingerprint())
     grid = _calibration_grid(args.calibrate) if args.calibrate else None
     summary = tune(
         engine, args.dataset, args.work or cache_dir() / "tune", out, variants=variants,
@@ -129,11 +188,17 @@ def _configs(args: argparse.Namespace) -> tuple:
 
 
 def _print_result(summary: dict) -> None:
-    base, best = summary["history"][0], summary["best"]
+    base, best, installed = summary["history"][0], summary["best"], summary["installed"]
     pairs = f"{summary['train_pairs']} training pairs, {summary['val_pairs']} validation"
-    print(f"adapter -> {summary['adapter']} ({pairs})")
-    print(f"validation KL(full || spliced), first token / 8 tokens: without adapter {base['first_kl']:.4f} / "
-          f"{base['mean_kl']:.4f}, with {best['first_kl']:.4f} / {best['mean_kl']:.4f}")  # fmt: skip
+    print(f"adapter -> {summary['adapter']} ({pairs}; not installed)")
+    start = "without adapter" if summary.get("init") is None else "start"
+    now = "" if installed is None else f", installed {installed['first_kl']:.4f} / {installed['mean_kl']:.4f}"
+    print(f"validation KL(full || spliced), first token / 8 tokens: {start} {base['first_kl']:.4f} / "
+          f"{base['mean_kl']:.4f}, new {best['first_kl']:.4f} / {best['mean_kl']:.4f}{now}")  # fmt: skip
+    if installed is None or best["mean_kl"] < installed["mean_kl"]:
+        print(f"serve it with `pc-rag tune --install {summary['adapter']}`")
+    else:
+        print("it is no better than the installed adapter on the held-out pairs; keep the installed one")
     if "calibration" in summary:
         c = summary["calibration"]
         print(f"APE calibration -> {c['path']}: temperature {c['temperature']}, scale {c['scale']}")
@@ -144,12 +209,11 @@ def _run_tune_store(args: argparse.Namespace, lm: object) -> int:
 
     from pc_rag.cli.store_commands import engine_for
     from pc_rag.model import cache_dir
-    from pc_rag.rag.tuned import adapter_file, tuned_dirs
     from pc_rag.store.document_store import DocumentStore
     from pc_rag.tune.store_command import tune_store
 
     adapter_config, train_config = _configs(args)
-    out = args.out or tuned_dirs()[0] / adapter_file(lm.fingerprint())
+    out = args.out or _default_out(lm.fingerprint())
     grid = _calibration_grid(args.calibrate) if args.calibrate else None
     with DocumentStore.load(args.store, engine_for(lm)) as store:
         work = args.work or cache_dir() / "tune" / f"store-{store.store_id}"

@@ -2,8 +2,9 @@
 
 Both phases resume: the teacher set and the chunk stores live in ``--work`` and are
 extended, never rebuilt; training starts from scratch each run (it is the cheap part)
-and writes the adapter where ``RagEngine`` finds it for this model, plus a JSON report
-of the validation history. This module knows nothing about serving.
+and writes the adapter to a file of its own (never where serving looks: ``pc-rag tune --install``
+puts it there), plus a JSON report of the validation history and of the adapter serving had at
+the time, on the same held-out pairs. This module knows nothing about serving.
 """
 
 from __future__ import annotations
@@ -16,13 +17,14 @@ from pathlib import Path
 
 from pc_rag.errors import PCRagError
 from pc_rag.eval.datasets import TUNING_SPLIT, load_examples, tuning_split
-from pc_rag.rag.adapter import AdapterConfig
+from pc_rag.rag.adapter import AdapterConfig, SpliceAdapter
 from pc_rag.rag.engine import RagEngine
-from pc_rag.rag.tuned import calibration_file
+from pc_rag.rag.tuned import installed_adapter
+from pc_rag.store._atomic import sha256_file
 from pc_rag.tune.calibrate import fit_calibration
-from pc_rag.tune.pairs import VARIANTS, PairSource
+from pc_rag.tune.pairs import VARIANTS, Pair, PairSource
 from pc_rag.tune.teacher import TeacherSet, build_teacher
-from pc_rag.tune.train import TrainConfig, train_adapter
+from pc_rag.tune.train import TrainConfig, train_adapter, validate
 
 logger = logging.getLogger(__name__)
 
@@ -85,7 +87,10 @@ def train_and_save(
     init: Path | None = None,
 ) -> dict:
     """Train on the taught pairs of ``source``, save the adapter at ``out`` (and the calibration beside it), write
-    the report (with ``extra``) at ``out`` with a ``.json`` suffix and return it."""
+    the report (with ``extra``) at ``out`` with a ``.json`` suffix and return it.
+
+    The report's ``installed`` entry is the adapter serving finds for this model now, validated on the same
+    held-out pairs (None when it has none): what ``pc-rag tune --install`` compares against."""
     pairs = [p for p in source.pairs() if p.key in teacher]
     train = [p for p in pairs if p.split == "train"]
     val = [p for p in pairs if p.split == "val"]
@@ -105,13 +110,14 @@ def train_and_save(
         "val_pairs": len(val),
         "history": [asdict(v) for v in report.history],
         "best": asdict(report.best) if report.best else None,
+        "installed": _installed_on(engine, val, source, teacher, train_config),
     }
     if calibration_grid is not None:
         calibration, grid = fit_calibration(
             engine, val, source.chunks, teacher.get, *calibration_grid, adapter=adapter.attach(), progress=progress
         )
         adapter.detach()
-        path = out.parent / calibration_file(adapter.fingerprint)
+        path = calibration_beside(out)
         calibration.save(path, adapter.fingerprint)
         summary["calibration"] = {"path": str(path), **asdict(calibration)}
         summary["calibration_grid"] = [
@@ -119,3 +125,24 @@ def train_and_save(
         ]
     out.with_suffix(".json").write_text(json.dumps(summary, indent=1) + "\n", encoding="utf-8")
     return summary
+
+
+def calibration_beside(adapter: Path) -> Path:
+    """Where a trained adapter's APE calibration is written: ``<name>.calibration.json`` beside it."""
+    return adapter.with_name(f"{adapter.stem}.calibration.json")
+
+
+def _installed_on(
+    engine: RagEngine, val: list[Pair], source: PairSource, teacher: TeacherSet, config: TrainConfig
+) -> dict | None:
+    """The installed adapter of ``engine``'s model (path, sha256) and its validation on ``val``, or None."""
+    fingerprint = engine.lm.fingerprint()
+    path = installed_adapter(fingerprint)
+    if path is None:
+        return None
+    adapter = SpliceAdapter.load(path, engine.lm.model, fingerprint).attach()
+    try:
+        result = validate(engine, adapter, val, source.chunks, teacher.get, recompute=config.share)
+    finally:
+        adapter.detach()
+    return {"path": str(path), "sha256": sha256_file(path), **asdict(result)}

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -25,6 +26,8 @@ from pc_rag.tune.teacher import TeacherSet, build_teacher
 from pc_rag.tune.train import TrainConfig
 
 logger = logging.getLogger(__name__)
+
+MIN_PAIRS = {"train": 16, "val": 4}  # fewer usable questions than this: refused (an adapter fitted to noise)
 
 
 def tune_store(
@@ -45,16 +48,15 @@ def tune_store(
     """Write questions, teach, train and save the adapter at ``out`` (starting from ``init`` if given); return the
     report (``teacher_only``: stop after the teacher, returning the counts and costs so far)."""
     source = StorePairSource(store, work, pairs=pairs, k=k, held_out=held_out)
+    _check_wanted(source.wanted, pairs, held_out)
+    _check_chunks(source)
     cost: dict[str, float] = {}
     start = time.perf_counter()
     written = source.write_questions(progress=progress)
     _spent(cost, "questions", written, start)
     kept = {s: len(source.kept(s)) for s in ("train", "val")}
     retrieved = sum(r.source_retrieved for s in kept for r in source.kept(s)) / max(1, sum(kept.values()))
-    if not all(kept.values()):
-        msg = (f"{store.directory}: no usable question for the {'held-out' if not kept['val'] else 'training'} part "
-               f"({kept}); give a larger --pairs or a store with more documents")  # fmt: skip
-        raise PCRagError(msg)
+    _check_kept(source)
     report = {"store": str(store.directory), "questions_kept": kept, "questions_written": len(source.records),
               "source_chunk_retrieved": round(retrieved, 3)}  # fmt: skip
     teacher = TeacherSet(work / "teacher")
@@ -72,6 +74,53 @@ def tune_store(
     summary["cost"] = {**cost, "validation_pairs_run": len(summary["history"]) * summary["val_pairs"]}
     out.with_suffix(".json").write_text(json.dumps(summary, indent=1) + "\n", encoding="utf-8")
     return summary
+
+
+def _check_wanted(wanted: dict[str, int], pairs: int, held_out: float) -> None:
+    """Refuse a ``--pairs`` (and ``--held-out``) that asks for fewer questions than ``MIN_PAIRS``."""
+    if all(wanted[s] >= MIN_PAIRS[s] for s in MIN_PAIRS):
+        return
+    least = max(sum(MIN_PAIRS.values()), math.ceil((MIN_PAIRS["val"] - 0.5) / held_out))
+    msg = (f"--pairs {pairs} with --held-out {held_out} asks for {wanted['train']} training and {wanted['val']} "
+           f"held-out questions; tune --store needs at least {MIN_PAIRS['train']} and {MIN_PAIRS['val']}: "
+           f"give --pairs {least} or more")  # fmt: skip
+    raise PCRagError(msg)
+
+
+def _check_chunks(source: StorePairSource) -> None:
+    """Refuse a store with fewer chunks than ``MIN_PAIRS`` questions (one question per chunk at most), before
+    any question is written."""
+    have = source.chunk_counts()
+    if all(have[s] >= MIN_PAIRS[s] for s in MIN_PAIRS):
+        return
+    msg = (f"{source.store.directory}: {have['train']} chunks in training documents and {have['val']} in held-out "
+           f"ones; the model writes at most one question per chunk and tune --store needs at least "
+           f"{MIN_PAIRS['train']} and {MIN_PAIRS['val']} usable ones (usually several times as many chunks): "
+           "index more documents")  # fmt: skip
+    raise PCRagError(msg)
+
+
+def _check_kept(source: StorePairSource) -> None:
+    """Refuse to train when the store gave fewer usable questions than ``MIN_PAIRS``, saying how many chunks
+    would give enough at the share of written questions that was usable."""
+    kept = {s: len(source.kept(s)) for s in MIN_PAIRS}
+    if all(kept[s] >= MIN_PAIRS[s] for s in MIN_PAIRS):
+        return
+    written = len(source.records)
+    usable = sum(r.question is not None for r in source.records.values())
+    have = source.chunk_counts()
+    if usable == 0:
+        need = f"none of the {written} questions the model wrote was usable, so no number of chunks is known to do"
+    else:
+        rate = usable / written
+        wants = {s: math.ceil(MIN_PAIRS[s] / rate) for s in MIN_PAIRS}
+        need = (f"{usable} of the {written} questions written were usable ({rate:.0%}); at that rate it needs about "
+                f"{wants['train']} chunks in training documents and {wants['val']} in held-out ones "
+                f"(the store has {have['train']} and {have['val']})")  # fmt: skip
+    msg = (f"{source.store.directory}: {kept['train']} training and {kept['val']} held-out questions, fewer than the "
+           f"{MIN_PAIRS['train']} and {MIN_PAIRS['val']} tune --store needs; {need}: index more documents "
+           "(or a larger model writes more usable questions)")  # fmt: skip
+    raise PCRagError(msg)
 
 
 def _spent(cost: dict[str, float], phase: str, count: int, start: float) -> None:

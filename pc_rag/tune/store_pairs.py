@@ -110,6 +110,10 @@ class StorePairSource:
         kept = [r for r in self.records.values() if r.split == split and r.question is not None]
         return kept[: self.wanted[split]]
 
+    def chunk_counts(self) -> dict[str, int]:
+        """Chunks of the store in training and in held-out documents."""
+        return {s: sum(v == s for v in self._split.values()) for s in ("train", "val")}
+
     def write_questions(self, *, progress: bool = True) -> int:
         """Write questions for unvisited chunks until each split has what it wants (or runs out); return how many."""
         missing = {s: self.wanted[s] - len(self.kept(s)) for s in self.wanted}

@@ -37,7 +37,7 @@ def _admitted(store: DocumentStore, mode: str) -> Scheduler:
     scheduler = Scheduler(store.engine.lm)
     server = PromptServer(store=store)
     for question in QUESTIONS:
-        _, request = server.rag_request(question, k=2, mode=mode, max_new_tokens=3)
+        _, request, _ = server.rag_request(question, k=2, mode=mode, max_new_tokens=3)
         scheduler._admit(_Entry(request, True))
     return scheduler
 
