@@ -27,9 +27,9 @@ from langchain_huggingface import HuggingFacePipeline
 from transformers import pipeline
 
 from pc_rag import load_model
+from pc_rag.hotpotqa_sample import sample_questions
 from pc_rag.integrations.langchain import PromptCacheLLM, PromptModuleRetriever, format_modules
 from pc_rag.rag import RagEngine, RagPrompt
-from pc_rag.sample import sample_questions
 from pc_rag.store.document_store import DocumentStore, module_text
 
 

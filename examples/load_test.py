@@ -72,7 +72,7 @@ def main() -> None:
 
 def _sample_store(directory: Path) -> Path:
     """A store of the bundled sample's passages, built by ``pc-rag index`` from a JSONL of them."""
-    from pc_rag.sample import sample_questions
+    from pc_rag.hotpotqa_sample import sample_questions
 
     docs = directory.parent / "passages.jsonl"
     unique = {f"{title}\n{text}" for q in sample_questions() for title, text in q.passages}
@@ -82,7 +82,7 @@ def _sample_store(directory: Path) -> Path:
 
 
 def _questions() -> list[str]:
-    from pc_rag.sample import sample_questions
+    from pc_rag.hotpotqa_sample import sample_questions
 
     return [q.question for q in sample_questions()]
 

@@ -37,13 +37,13 @@ from pc_rag.eval.datasets import load_examples
 from pc_rag.eval.metrics import TEACHER_FORCED_STEPS, first_token_kl, teacher_forced, teacher_forced_steps
 from pc_rag.kv import PreallocatedLayer, allocate
 from pc_rag.model import load_model
-from pc_rag.model_call import with_cache
 from pc_rag.probe import KWARG as PROBE
 from pc_rag.probe import AttentionProbe
 from pc_rag.rag import RagEngine, RagPrompt
 from pc_rag.rag.engine import chunk_slots, splice_chunks
 from pc_rag.rag.modes import MODES
 from pc_rag.rag.query_select import query_indices
+from pc_rag.runtime.model_call import with_cache
 
 SCORERS = ("attention", "deviation", "weighted")
 

@@ -27,8 +27,8 @@ except ImportError as e:  # pragma: no cover - depends on the environment
     raise ImportError(msg) from e
 
 from pc_rag.errors import PCRagError
-from pc_rag.generate import GenerationResult
 from pc_rag.integrations._langchain_shared import SETTINGS, ServedModel, in_worker, sampling
+from pc_rag.runtime.generate import GenerationResult
 
 __all__ = ["ChatPromptCache"]
 

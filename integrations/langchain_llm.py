@@ -25,8 +25,8 @@ except ImportError as e:  # pragma: no cover - depends on the environment
     msg = "the LangChain adapter needs langchain-core: `pip install pc-rag[langchain]`"
     raise ImportError(msg) from e
 
-from pc_rag.generate import GenerationResult, GenerationStats
 from pc_rag.integrations._langchain_shared import SETTINGS, ServedModel, in_worker, sampling
+from pc_rag.runtime.generate import GenerationResult, GenerationStats
 
 __all__ = ["PromptCacheLLM"]
 

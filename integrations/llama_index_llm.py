@@ -38,7 +38,7 @@ except ImportError as e:  # pragma: no cover - depends on the environment
 
 from pc_rag.engine import PromptCache
 from pc_rag.errors import PCRagError
-from pc_rag.generate import GenerationResult, GenerationStats, ReplyStream
+from pc_rag.runtime.generate import GenerationResult, GenerationStats, ReplyStream
 from pc_rag.runtime.prefix_cache import PrefixCache
 from pc_rag.server.prompt_server import SAMPLING_FIELDS, PromptServer
 from pc_rag.store.document_store import DocumentStore

@@ -13,8 +13,8 @@ import torch
 from transformers import PreTrainedModel
 
 from pc_rag.kv import KVBuffer, SpanKV
-from pc_rag.model_call import PLAIN, ModelCall, with_cache
 from pc_rag.rope import RopeSpec
+from pc_rag.runtime.model_call import PLAIN, ModelCall, with_cache
 
 
 def splice(buffer: KVBuffer, rope: RopeSpec, parts: Sequence[tuple[SpanKV, int]]) -> int:

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 
-from pc_rag.generate import GenerationResult, SamplingParams
 from pc_rag.kv import BufferPool, SpanKV
 from pc_rag.model import LoadedModel
 from pc_rag.runtime.executor import execute
+from pc_rag.runtime.generate import GenerationResult, SamplingParams
 from pc_rag.runtime.request import Part, Request
 
 

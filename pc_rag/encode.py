@@ -14,7 +14,7 @@ import torch
 from transformers import PreTrainedModel
 
 from pc_rag.kv import SpanKV, allocate
-from pc_rag.model_call import with_cache
+from pc_rag.runtime.model_call import with_cache
 
 
 @torch.inference_mode()

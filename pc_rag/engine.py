@@ -21,14 +21,6 @@ from pc_rag.baseline import serve_full
 from pc_rag.chat import ChatWrappers, chat_wrappers
 from pc_rag.encode import encode_spans
 from pc_rag.errors import ContextLengthError, UnknownSchemaError
-from pc_rag.generate import (
-    GenerationResult,
-    ReplyStream,
-    SamplingParams,
-    Stopwatch,
-    collect,
-    eos_ids,
-)
 from pc_rag.kv import BufferPool, SpanKV, kv_shape
 from pc_rag.layout import SchemaLayout, layout_schema
 from pc_rag.model import LoadedModel
@@ -37,6 +29,14 @@ from pc_rag.pml.nodes import Prompt, Role, Schema
 from pc_rag.pml.parser import parse_prompt, parse_schema
 from pc_rag.pml.validate import validate_prompt
 from pc_rag.runtime.executor import check_length, execute
+from pc_rag.runtime.generate import (
+    GenerationResult,
+    ReplyStream,
+    SamplingParams,
+    Stopwatch,
+    collect,
+    eos_ids,
+)
 from pc_rag.runtime.request import Part, Request
 from pc_rag.runtime.shared_pool import SegmentKey
 

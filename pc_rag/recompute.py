@@ -23,7 +23,7 @@ from transformers.cache_utils import Cache
 
 from pc_rag.attention import QueryBlocks
 from pc_rag.kv import KVBuffer, PreallocatedLayer
-from pc_rag.model_call import PLAIN, ModelCall, with_cache
+from pc_rag.runtime.model_call import PLAIN, ModelCall, with_cache
 
 
 class RefreshLayer(PreallocatedLayer):

@@ -8,8 +8,8 @@ from conftest import tiny_model
 
 from pc_rag.bench import answer_time
 from pc_rag.bench.answer_time import LLAMA_CPP_ROWS, AnswerRow, answer_workload, gates, run_answers, summary
+from pc_rag.hotpotqa_sample import sample_questions
 from pc_rag.rag import RagEngine
-from pc_rag.sample import sample_questions
 
 
 @pytest.fixture(scope="module")

@@ -88,14 +88,14 @@ def test_store_recode(home, store, capsys) -> None:
 
 def few_questions(monkeypatch: pytest.MonkeyPatch, module: str) -> None:
     """``module`` reads two of the bundled sample questions instead of all (seconds, not a minute)."""
-    from pc_rag.sample import sample_questions
+    from pc_rag.hotpotqa_sample import sample_questions
 
     two = sample_questions()[:2]
     monkeypatch.setattr(f"{module}.sample_questions", lambda: two)
 
 
 def test_demo(home, capsys, monkeypatch) -> None:
-    few_questions(monkeypatch, "pc_rag.sample")
+    few_questions(monkeypatch, "pc_rag.hotpotqa_sample")
     out, _ = run(home, capsys, "demo", "--questions", "1")
     assert "building a store" in out and "question" in out
     (note,) = [line for line in out.splitlines() if line.startswith("answers by ")]  # one line, above the answers

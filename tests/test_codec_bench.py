@@ -7,8 +7,8 @@ from conftest import tiny_model
 
 from pc_rag.bench.codec import codec_benchmark, format_rows
 from pc_rag.codec import CacheGenCodec, fit_tables
+from pc_rag.hotpotqa_sample import sample_questions
 from pc_rag.rag import RagEngine, RagPrompt
-from pc_rag.sample import sample_questions
 
 
 @pytest.fixture(scope="module")

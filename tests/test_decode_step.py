@@ -11,12 +11,12 @@ from conftest import TINY_CONFIGS, tiny_model
 from test_weights import tiny_in
 
 from pc_rag.assemble import forward_new_tokens
-from pc_rag.decode_step import DecodeStep
 from pc_rag.engine import PromptCache
-from pc_rag.generate import SamplingParams, decode_tokens
 from pc_rag.kv import allocate
-from pc_rag.model_call import ModelCall
 from pc_rag.pml.nodes import Import, Module, Prompt, Schema, Text
+from pc_rag.runtime.decode_step import DecodeStep
+from pc_rag.runtime.generate import SamplingParams, decode_tokens
+from pc_rag.runtime.model_call import ModelCall
 
 DESCRIBED = ["llama", "llama3-scaled", "mistral", "qwen2", "qwen3"]
 # bf16 attention rounds twice here (the flash pass over the cache, then the merge with the new key) where SDPA

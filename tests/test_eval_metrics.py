@@ -20,7 +20,7 @@ from pc_rag.eval.metrics import (
     teacher_forced_steps,
 )
 from pc_rag.eval.report import format_table
-from pc_rag.generate import GenerationResult, GenerationStats
+from pc_rag.runtime.generate import GenerationResult, GenerationStats
 
 
 def _result(

@@ -12,7 +12,7 @@ import torch
 from pc_rag.errors import EvalError
 from pc_rag.eval import aggregate, format_table, load_state, parse_modes, plot, results_json, run_eval, write_json
 from pc_rag.eval.datasets import Example, Passage
-from pc_rag.generate import GenerationResult, GenerationStats
+from pc_rag.runtime.generate import GenerationResult, GenerationStats
 
 V = 16  # fake vocabulary size
 FAKE_MODES = ("naive", "prefix", "edge", "selective", "default")

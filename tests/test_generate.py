@@ -7,9 +7,9 @@ import torch
 from conftest import tiny_model
 
 from pc_rag.engine import PromptCache
-from pc_rag.generate import SamplingParams, sample, stream_text
 from pc_rag.model import LoadedModel
 from pc_rag.pml.nodes import Import, Module, Prompt, Schema, Text
+from pc_rag.runtime.generate import SamplingParams, sample, stream_text
 
 
 @pytest.fixture(scope="module")
@@ -175,6 +175,6 @@ def test_cached_generation_uses_the_current_cache_api(tokenizer) -> None:
 def test_the_cache_goes_under_the_installed_transformers_name(version: str, keyword: str) -> None:
     """A GPU image may ship transformers 5.17, whose forward has no ``cache`` argument (it would be swallowed by
     ``**kwargs`` and the cache ignored)."""
-    from pc_rag.model_call import cache_keyword
+    from pc_rag.runtime.model_call import cache_keyword
 
     assert cache_keyword(version) == keyword

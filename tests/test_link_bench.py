@@ -8,8 +8,8 @@ from conftest import tiny_model
 from pc_rag.bench.link import format_rows, link_benchmark
 from pc_rag.cli import main
 from pc_rag.codec import CacheGenCodec, fit_tables
+from pc_rag.hotpotqa_sample import sample_questions
 from pc_rag.rag import RagEngine, RagPrompt
-from pc_rag.sample import sample_questions
 
 
 @pytest.fixture(scope="module")

@@ -13,10 +13,10 @@ from conftest import tiny_model
 from test_document_store import embedder
 
 from pc_rag.errors import PCRagError
-from pc_rag.generate import eos_ids
 from pc_rag.rag import RagEngine, RagPrompt
 from pc_rag.rag.adapter import AdapterConfig, SpliceAdapter
 from pc_rag.rag.tuned import adapter_file, tuned_dirs
+from pc_rag.runtime.generate import eos_ids
 from pc_rag.store.document_store import DocumentStore
 from pc_rag.tune import store_pairs
 from pc_rag.tune.install import install

@@ -27,9 +27,9 @@ import torch
 
 from pc_rag.bench.peers import _passage_budget
 from pc_rag.errors import PCRagError
+from pc_rag.hotpotqa_sample import SampleQuestion, sample_questions
 from pc_rag.rag.engine import Chunk, RagEngine
 from pc_rag.runtime.threads import use_free_cores
-from pc_rag.sample import SampleQuestion, sample_questions
 
 MAX_TOKENS = 64
 AUTO = " (--threads auto)"

@@ -19,8 +19,8 @@ import zstandard
 from pc_rag.bench.timing import timed_runs
 from pc_rag.codec import CacheGenCodec
 from pc_rag.codec.quantize import quantize
+from pc_rag.hotpotqa_sample import sample_questions
 from pc_rag.rag.engine import RagEngine
-from pc_rag.sample import sample_questions
 
 MODE = "default"
 ZSTD_LEVEL = 19

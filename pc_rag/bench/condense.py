@@ -13,8 +13,8 @@ from importlib.resources import files
 
 import numpy as np
 
+from pc_rag.hotpotqa_sample import sample_questions
 from pc_rag.rag.condense import standalone_query
-from pc_rag.sample import sample_questions
 from pc_rag.store.embeddings import Embedder, SentenceTransformerEmbedder
 
 

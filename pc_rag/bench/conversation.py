@@ -12,10 +12,10 @@ import argparse
 import tempfile
 from pathlib import Path
 
+from pc_rag.hotpotqa_sample import sample_questions
 from pc_rag.model import LoadedModel, load_model
 from pc_rag.rag import RagEngine, RagPrompt
 from pc_rag.runtime.prefix_cache import PrefixCache
-from pc_rag.sample import sample_questions
 from pc_rag.server.prompt_server import PromptServer
 from pc_rag.store.document_store import DocumentStore
 

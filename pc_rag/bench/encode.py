@@ -18,9 +18,9 @@ import torch
 
 from pc_rag.bench.timing import timed_runs
 from pc_rag.errors import PCRagError
+from pc_rag.hotpotqa_sample import sample_questions
 from pc_rag.rag import RagEngine
 from pc_rag.rag.engine import ENCODE_BATCH
-from pc_rag.sample import sample_questions
 
 CHUNK_TOKENS = 256
 

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from pc_rag.errors import PCRagError
-from pc_rag.model_call import with_cache
+from pc_rag.runtime.model_call import with_cache
 
 
 @dataclass(frozen=True)
@@ -230,8 +230,8 @@ RAG_MODES = {"prefix": "prefix", "default": "selective:0.25"}
 
 def rag_modes(bench: GpuBench) -> list[dict[str, Any]]:
     """RAG modes on the bundled sample passages: one question's passages (~1.3K tokens) and six questions' (~8K)."""
+    from pc_rag.hotpotqa_sample import sample_questions
     from pc_rag.rag.engine import RagEngine
-    from pc_rag.sample import sample_questions
 
     engine = RagEngine(bench.lm)
     questions = sample_questions()
@@ -271,7 +271,7 @@ def _answer_ms(engine: Any, chunks: Any, question: str, mode: str) -> float:
 def decode_speed(bench: GpuBench, new_tokens: int = 64) -> list[dict[str, Any]]:
     """Single-stream decode tokens/s after a cached prompt and after full prefill of the same tokens."""
     from pc_rag.engine import PromptCache
-    from pc_rag.generate import GenerationResult
+    from pc_rag.runtime.generate import GenerationResult
 
     def per_s(result: GenerationResult) -> float:
         stats = result.stats

@@ -22,9 +22,9 @@ import torch
 
 from pc_rag.bench.timing import timed_runs
 from pc_rag.codec import CacheGenCodec
+from pc_rag.hotpotqa_sample import sample_questions
 from pc_rag.kv import SpanKV
 from pc_rag.rag.engine import Chunk, RagEngine
-from pc_rag.sample import sample_questions
 from pc_rag.store.loader import RAW, TEXT, AdaptiveLoader, Throttled
 
 MODE = "default"

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import torch
 
+from pc_rag.hotpotqa_sample import sample_questions
 from pc_rag.kv import kv_shape
 from pc_rag.rag.engine import RagEngine
-from pc_rag.sample import sample_questions
 from pc_rag.store.document_store import DocumentStore
 from pc_rag.store.embeddings import as_embedder
 from pc_rag.store.files import SHARD_DIR

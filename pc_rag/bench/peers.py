@@ -24,9 +24,9 @@ import torch
 from tqdm import tqdm
 
 from pc_rag.errors import PCRagError
-from pc_rag.generate import GenerationResult
+from pc_rag.hotpotqa_sample import sample_questions
 from pc_rag.rag.engine import Chunk, RagEngine
-from pc_rag.sample import sample_questions
+from pc_rag.runtime.generate import GenerationResult
 
 FULL_PREFILL = "full prefill (transformers, same runtime)"  # the row every speedup is measured against
 FULL_PREFILL_FLOAT32 = "full prefill, float32 (transformers, same runtime)"

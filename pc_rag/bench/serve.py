@@ -34,11 +34,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from pc_rag.decode_step import decode_attention
 from pc_rag.engine import PromptCache
-from pc_rag.generate import collect
+from pc_rag.hotpotqa_sample import sample_questions
 from pc_rag.kv import kv_shape
 from pc_rag.pml.nodes import Import, Module, Prompt, Role, Schema, Text
+from pc_rag.runtime.decode_step import decode_attention
+from pc_rag.runtime.generate import collect
 from pc_rag.runtime.partition_attention import (
     SharedRun,
     attend_with_lse,
@@ -47,7 +48,6 @@ from pc_rag.runtime.partition_attention import (
     private_mask,
 )
 from pc_rag.runtime.scheduler import Scheduler
-from pc_rag.sample import sample_questions
 
 SYSTEM = "You are a concise assistant. Answer the question from the passages."
 EVICT_BYTES = 128 << 20  # written before each timed attention call: several times a server CPU's last-level cache

@@ -17,10 +17,10 @@ from pathlib import Path
 
 from pc_rag.assemble import forward_new_tokens, splice
 from pc_rag.engine import PromptCache
+from pc_rag.hotpotqa_sample import sample_questions
 from pc_rag.kv import allocate
 from pc_rag.pml.builder import PromptBuilder, SchemaBuilder
 from pc_rag.pml.nodes import Prompt
-from pc_rag.sample import sample_questions
 
 QUESTION = (
     "Using only the passages above, answer the following question in a few words, naming the person, place "

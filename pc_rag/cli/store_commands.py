@@ -248,7 +248,7 @@ def model_note(lm: LoadedModel) -> str:
 
 def demo(lm: LoadedModel, questions: int) -> None:
     """Build a store from the bundled HotpotQA sample, then answer sample questions cached and by full prefill."""
-    from pc_rag.sample import sample_questions
+    from pc_rag.hotpotqa_sample import sample_questions
 
     sample = sample_questions()[: max(questions, 10)]  # the asked questions' passages plus other questions' as noise
     with tempfile.TemporaryDirectory(prefix="pc-rag-demo-") as tmp:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from pc_rag.eval.longbench import best_f1
-from pc_rag.generate import GenerationResult
+from pc_rag.runtime.generate import GenerationResult
 
 ALL = "all"  # the dataset name of the rows that pool every dataset
 FULL = "full"  # full prefill of the same tokens: the reference every mode is compared with

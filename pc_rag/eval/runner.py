@@ -25,7 +25,7 @@ from pc_rag.eval.codec_modes import base_mode, split_codec_mode, split_dtype_mod
 from pc_rag.eval.contexts import ClosedContexts, ContextSource
 from pc_rag.eval.datasets import Example
 from pc_rag.eval.metrics import FULL, TEACHER_FORCED_STEPS, QuestionRecord, make_record, teacher_forced_steps
-from pc_rag.generate import GenerationResult
+from pc_rag.runtime.generate import GenerationResult
 
 logger = logging.getLogger(__name__)
 

@@ -25,17 +25,8 @@ from pc_rag.calibration import Calibration, Segments
 from pc_rag.chat import ChatWrappers, chat_wrappers
 from pc_rag.encode import encode_spans
 from pc_rag.errors import PCRagError
-from pc_rag.generate import (
-    GenerationResult,
-    ReplyStream,
-    SamplingParams,
-    Stopwatch,
-    collect,
-    eos_ids,
-)
 from pc_rag.kv import BufferPool, KVBuffer, SpanKV
 from pc_rag.model import LoadedModel
-from pc_rag.model_call import ModelCall
 from pc_rag.rag.adapter import SpliceAdapter
 from pc_rag.rag.chunk import Chunk, ChunkEncodingError, encoder_mismatch, mode_mismatch
 from pc_rag.rag.modes import ADAPTER_FREE_MODE, DEFAULT_MODE, RecoveryMode, resolve_mode
@@ -45,6 +36,15 @@ from pc_rag.rag.query_select import query_indices, question_attention
 from pc_rag.rag.select import deviation_indices, edge_indices, kv_deviation
 from pc_rag.rag.tuned import Tuned
 from pc_rag.runtime.executor import execute
+from pc_rag.runtime.generate import (
+    GenerationResult,
+    ReplyStream,
+    SamplingParams,
+    Stopwatch,
+    collect,
+    eos_ids,
+)
+from pc_rag.runtime.model_call import ModelCall
 from pc_rag.runtime.prefix_cache import PrefixCache
 from pc_rag.runtime.request import Part, Refresh, Request
 from pc_rag.runtime.shared_pool import SegmentKey

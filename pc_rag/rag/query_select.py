@@ -19,9 +19,9 @@ from transformers import PreTrainedModel
 from transformers.cache_utils import Cache
 
 from pc_rag.kv import KVBuffer, PreallocatedLayer
-from pc_rag.model_call import PLAIN, ModelCall, with_cache
 from pc_rag.probe import KWARG as PROBE
 from pc_rag.probe import AttentionProbe, ProbeDone
+from pc_rag.runtime.model_call import PLAIN, ModelCall, with_cache
 
 
 @torch.inference_mode()

@@ -20,8 +20,8 @@ from transformers import PreTrainedModel
 from transformers.cache_utils import Cache
 
 from pc_rag.kv import KVBuffer, PreallocatedLayer
-from pc_rag.model_call import with_cache
 from pc_rag.probe import VALUES_KWARG, ProbeDone, ValueProbe
+from pc_rag.runtime.model_call import with_cache
 
 
 def edge_indices(spans: Sequence[tuple[int, int]], edge: int) -> list[int]:

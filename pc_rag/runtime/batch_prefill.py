@@ -21,8 +21,8 @@ import torch.nn.functional as F
 from transformers import PreTrainedModel
 
 from pc_rag.attention import FLASH_CPU, attend_after_cache
-from pc_rag.decode_step import FusedLayer, built_once, rms_norm
 from pc_rag.kv import KVBuffer
+from pc_rag.runtime.decode_step import FusedLayer, built_once, rms_norm
 from pc_rag.runtime.partition_attention import padded_rows
 
 

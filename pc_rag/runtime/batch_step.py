@@ -23,8 +23,8 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel
 
-from pc_rag.decode_step import FusedLayer, built_once, rms_norm
 from pc_rag.runtime.arena import CAPACITY_STEP, PrivateArena
+from pc_rag.runtime.decode_step import FusedLayer, built_once, rms_norm
 from pc_rag.runtime.partition_attention import SharedRun, padded_rows, partition_attention, private_mask
 from pc_rag.runtime.shared_pool import Segment, SharedKVPool
 from pc_rag.weights import KERNEL_ROWS

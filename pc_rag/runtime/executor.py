@@ -16,11 +16,11 @@ from transformers.cache_utils import Cache
 
 from pc_rag.assemble import forward_new_tokens, splice
 from pc_rag.errors import ContextLengthError
-from pc_rag.generate import GenerationResult, decode_tokens, run_generation
 from pc_rag.kv import BufferPool, KVBuffer
 from pc_rag.model import LoadedModel
-from pc_rag.model_call import ModelCall, with_cache
 from pc_rag.recompute import recompute_and_prefill
+from pc_rag.runtime.generate import GenerationResult, decode_tokens, run_generation
+from pc_rag.runtime.model_call import ModelCall, with_cache
 from pc_rag.runtime.model_runner import ModelRunner, padded_count
 from pc_rag.runtime.request import Request
 from pc_rag.runtime.threads import adapt_threads

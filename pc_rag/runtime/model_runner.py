@@ -31,9 +31,9 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import PreTrainedModel
 
 from pc_rag.assemble import forward_new_tokens
-from pc_rag.decode_step import DecodeStep, FusedLayer, built_once, rms_norm
 from pc_rag.kv import BufferCache, KVBuffer
-from pc_rag.model_call import PLAIN, ModelCall
+from pc_rag.runtime.decode_step import DecodeStep, FusedLayer, built_once, rms_norm
+from pc_rag.runtime.model_call import PLAIN, ModelCall
 from pc_rag.weights import KERNEL_ROWS
 
 logger = logging.getLogger(__name__)

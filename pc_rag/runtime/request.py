@@ -13,9 +13,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from pc_rag.generate import SamplingParams, Stopwatch
 from pc_rag.kv import KVBuffer, SpanKV
-from pc_rag.model_call import PLAIN, ModelCall
+from pc_rag.runtime.generate import SamplingParams, Stopwatch
+from pc_rag.runtime.model_call import PLAIN, ModelCall
 from pc_rag.runtime.shared_pool import SegmentKey
 
 

@@ -31,13 +31,13 @@ from typing import TypeVar
 import torch
 
 from pc_rag.errors import KVPoolFullError, PCRagError, ServerBusyError
-from pc_rag.generate import DecodedTokens, GenerationResult, ReplyStream, eos_ids, run_generation, sample
 from pc_rag.kv import BufferPool, SpanKV, kv_shape
 from pc_rag.model import LoadedModel
 from pc_rag.runtime.arena import PrivateArena
 from pc_rag.runtime.batch_prefill import BatchPrefill, PrefillJob
 from pc_rag.runtime.batch_step import BatchDecodeStep, SharedRead
 from pc_rag.runtime.executor import Prefilled, execute, prefill, splice_request
+from pc_rag.runtime.generate import DecodedTokens, GenerationResult, ReplyStream, eos_ids, run_generation, sample
 from pc_rag.runtime.request import Request
 from pc_rag.runtime.shared_pool import CHUNK_TOKENS, Segment, SharedKVPool
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 from transformers import PreTrainedModel
 
-from pc_rag.decode_step import FusedLayer, built_once, rms_norm
+from pc_rag.runtime.decode_step import FusedLayer, built_once, rms_norm
 from pc_rag.runtime.partition_attention import _merge
 
 SHARED_CHUNK = 256

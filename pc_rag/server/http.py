@@ -25,8 +25,8 @@ from dataclasses import replace
 from typing import Any
 
 from pc_rag.errors import ModuleStoreError, PCRagError, ServerBusyError
-from pc_rag.generate import GenerationResult, ReplyStream, collect
 from pc_rag.rag.engine import ChunkEncodingError
+from pc_rag.runtime.generate import GenerationResult, ReplyStream, collect
 from pc_rag.runtime.request import Request
 from pc_rag.server.metrics import ServerMetrics
 from pc_rag.server.model_ids import ModelIds, ModelNotFoundError

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from pc_rag.generate import GenerationResult
+from pc_rag.runtime.generate import GenerationResult
 
 if TYPE_CHECKING:
     from pc_rag.runtime.prefix_cache import PrefixCache

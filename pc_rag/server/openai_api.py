@@ -20,8 +20,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from pydantic_core import PydanticCustomError
 
 from pc_rag.errors import PCRagError
-from pc_rag.generate import GenerationResult
 from pc_rag.rag.modes import MODES, is_mode
+from pc_rag.runtime.generate import GenerationResult
 
 INVALID = "invalid_request_error"
 DEFAULT_K = 5  # chunks retrieved when a RAG request names no k

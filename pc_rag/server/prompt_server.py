@@ -20,7 +20,6 @@ from typing import TypeVar
 from pc_rag.baseline import full_request
 from pc_rag.engine import PromptCache
 from pc_rag.errors import PCRagError
-from pc_rag.generate import GenerationResult, ReplyStream, SamplingParams
 from pc_rag.model import LoadedModel
 from pc_rag.rag.chunk import Chunk
 from pc_rag.rag.condense import standalone_query
@@ -29,6 +28,7 @@ from pc_rag.rag.markers import split_module_prompt
 from pc_rag.rag.order import DEFAULT_ORDER, reorder
 from pc_rag.rag.prompt import RagPrompt
 from pc_rag.runtime.executor import check_length
+from pc_rag.runtime.generate import GenerationResult, ReplyStream, SamplingParams
 from pc_rag.runtime.prefix_cache import PrefixCache
 from pc_rag.runtime.request import Request
 from pc_rag.runtime.scheduler import Scheduler

@@ -16,9 +16,9 @@ import torch
 from transformers.cache_utils import DynamicCache
 
 from pc_rag.errors import PCRagError
-from pc_rag.model_call import with_cache
 from pc_rag.rag.adapter import SpliceAdapter
 from pc_rag.rag.engine import Chunk, RagEngine
+from pc_rag.runtime.model_call import with_cache
 
 BATCH = 4  # chunks encoded together, by length
 

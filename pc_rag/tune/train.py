@@ -39,12 +39,12 @@ from pc_rag.calibration import KWARG as SEGMENTS
 from pc_rag.calibration import Calibration, Segments
 from pc_rag.errors import PCRagError
 from pc_rag.kv import KVBuffer, allocate
-from pc_rag.model_call import with_cache
 from pc_rag.rag.adapter import AdapterConfig, SpliceAdapter
 from pc_rag.rag.engine import Chunk, RagEngine
 from pc_rag.rag.modes import MODES
 from pc_rag.rag.select import deviation_indices
 from pc_rag.recompute import recompute_and_prefill
+from pc_rag.runtime.model_call import with_cache
 from pc_rag.tune.chunk_side import encoded_chunk_cache
 from pc_rag.tune.pairs import Pair
 from pc_rag.tune.teacher import TeacherRecord

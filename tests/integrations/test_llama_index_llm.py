@@ -17,9 +17,9 @@ from pydantic import ValidationError
 
 from pc_rag.engine import PromptCache
 from pc_rag.errors import PCRagError
-from pc_rag.generate import GenerationResult
 from pc_rag.integrations.llama_index import PromptCacheLLM
 from pc_rag.rag import RagEngine, RagPrompt
+from pc_rag.runtime.generate import GenerationResult
 from pc_rag.store import as_embedder
 from pc_rag.store.document_store import DocumentStore
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 from langchain_core.runnables import RunnablePassthrough
 
+from pc_rag.hotpotqa_sample import sample_questions
 from pc_rag.integrations.langchain import PromptCacheLLM, PromptModuleRetriever, format_modules, module_prompt_template
 from pc_rag.model import LoadedModel
 from pc_rag.rag import RagEngine, RagPrompt
-from pc_rag.sample import sample_questions
 from pc_rag.server.prompt_server import PromptServer
 from pc_rag.store.document_store import DocumentStore
 

@@ -12,10 +12,10 @@ from llama_index.core.base.llms.types import ChatMessage
 from llama_index.core.query_engine import RetrieverQueryEngine
 
 from pc_rag.cli.store_commands import engine_for
+from pc_rag.hotpotqa_sample import sample_questions
 from pc_rag.integrations.llama_index import PromptCacheQueryEngine
 from pc_rag.integrations.llama_index_query import STATS_KEY
 from pc_rag.model import LoadedModel
-from pc_rag.sample import sample_questions
 from pc_rag.server.prompt_server import PromptServer
 from pc_rag.store.document_store import DocumentStore
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from pc_rag.hotpotqa_sample import sample_questions
 from pc_rag.model import LoadedModel
 from pc_rag.rag import RagEngine, RagPrompt, RecoveryMode
-from pc_rag.sample import sample_questions
 
 pytestmark = pytest.mark.real_model
 

@@ -7,8 +7,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from pc_rag.engine import PromptCache
-from pc_rag.generate import collect
 from pc_rag.model import LoadedModel
+from pc_rag.runtime.generate import collect
 from pc_rag.runtime.scheduler import Scheduler
 
 pytestmark = pytest.mark.real_model

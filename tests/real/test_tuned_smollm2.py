@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 
 from pc_rag.eval.metrics import teacher_forced
+from pc_rag.hotpotqa_sample import sample_questions
 from pc_rag.model import LoadedModel
 from pc_rag.rag import RagEngine, RagPrompt
 from pc_rag.rag.modes import DEFAULT_MODE
 from pc_rag.rag.tuned import PACKAGED, adapter_file
-from pc_rag.sample import sample_questions
 
 pytestmark = pytest.mark.real_model
 

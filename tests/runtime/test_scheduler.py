@@ -9,8 +9,8 @@ from conftest import tiny_model
 
 from pc_rag.engine import PromptCache
 from pc_rag.errors import ContextLengthError, PCRagError, ServerBusyError
-from pc_rag.generate import collect
 from pc_rag.rag import RagEngine, RagPrompt
+from pc_rag.runtime.generate import collect
 from pc_rag.runtime.scheduler import Scheduler, _Entry
 from pc_rag.runtime.shared_pool import CHUNK_TOKENS
 

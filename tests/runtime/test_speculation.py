@@ -12,11 +12,11 @@ from conftest import TINY_CONFIGS, tiny_model
 from test_weights import tiny_in
 
 from pc_rag.assemble import forward_new_tokens
-from pc_rag.decode_step import STEP_ROWS
 from pc_rag.engine import PromptCache
-from pc_rag.generate import SamplingParams, probabilities
 from pc_rag.kv import allocate
 from pc_rag.pml.nodes import Import, Module, Prompt, Schema, Text
+from pc_rag.runtime.decode_step import STEP_ROWS
+from pc_rag.runtime.generate import SamplingParams, probabilities
 from pc_rag.runtime.model_runner import ModelRunner
 from pc_rag.runtime.speculation import PromptLookup, accept
 

@@ -16,8 +16,8 @@ from tokenizers.decoders import DecodeStream
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from transformers.cache_utils import Cache
 
-from pc_rag.decode_step import STEP_ROWS
-from pc_rag.model_call import PLAIN, ModelCall, with_cache
+from pc_rag.runtime.decode_step import STEP_ROWS
+from pc_rag.runtime.model_call import PLAIN, ModelCall, with_cache
 from pc_rag.runtime.model_runner import ModelRunner
 from pc_rag.runtime.speculation import PromptLookup, accept
 from pc_rag.runtime.threads import adapt_threads
