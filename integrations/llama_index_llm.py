@@ -73,7 +73,7 @@ class PromptCacheLLM(CustomLLM):
     seed: int | None = Field(default=None, description="Seeds sampling (temperature > 0).")
     stop: list[str] = Field(default_factory=list, description="Stop strings; they end the reply and are excluded.")
     speculative: bool = Field(
-        default=True, description="Verify drafts looked up in the prompt with each decode step (same greedy output)."
+        default=False, description="Verify drafts looked up in the prompt with each decode step (docs/decoding.md)."
     )
 
     _server: PromptServer = PrivateAttr()

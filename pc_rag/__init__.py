@@ -6,15 +6,7 @@ stack; each name below loads its module on first use.
 
 from __future__ import annotations
 
-import os
-
 from pc_rag._lazy import lazy_exports
-
-# A row's logits must not depend on how many rows share a matmul (a batched step equals the row alone; a verify
-# step equals a one-token step). MKL's AVX-512 float32 GEMM (Intel CPUs) picks its kernel by the row count, so
-# row bits change with it; its strict reproducibility mode keeps them (AMD CPUs run MKL's AVX2 path, which kept
-# them already). Read at MKL's first call: set it before any matmul runs in the process.
-os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")
 
 _EXPORTS = {
     "DEFAULT_MODEL": "pc_rag.model",

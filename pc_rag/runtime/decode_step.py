@@ -128,14 +128,19 @@ class DecodeStep:
         on the modules then act inside the step as in the model's forward."""
         return all(layer.qkv is None and layer.gate_up is None for layer in self._layers)
 
-    def __call__(self, tokens: Sequence[int], position: int, cache: BufferCache) -> torch.Tensor:
+    def __call__(
+        self, tokens: Sequence[int], position: int, cache: BufferCache, rows: int = STEP_ROWS
+    ) -> torch.Tensor:
+        """``rows``: the row count every matmul runs (the tokens, then padding): 1 for plain decoding, where a
+        one-row GEMM is the fastest; ``STEP_ROWS`` for every step of a speculative request, so a verify row
+        equals the step without drafts bit for bit."""
         count = len(tokens)
-        assert 0 < count <= STEP_ROWS, f"a step takes 1 to {STEP_ROWS} tokens, got {count}"
+        assert 0 < count <= rows <= STEP_ROWS, f"a step takes 1 to {rows} tokens, got {count}"
         length = cache.get_seq_length()
         buffer = cache.gathered(room=count)
         device = buffer.keys.device
-        padded = [*tokens, *[tokens[0]] * (STEP_ROWS - count)]  # padding rows repeat row 0, never written back
-        positions = [*range(position, position + count), *[position] * (STEP_ROWS - count)]
+        padded = [*tokens, *[tokens[0]] * (rows - count)]  # padding rows repeat row 0, never written back
+        positions = [*range(position, position + count), *[position] * (rows - count)]
         logits = self._logits(
             torch.tensor(padded, device=device)[:, None], torch.tensor(positions, device=device)[:, None],
             buffer.keys, buffer.values, length, count,
@@ -148,18 +153,18 @@ class DecodeStep:
         self, tokens: torch.Tensor, positions: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, length: int,
         count: int,
     ) -> torch.Tensor:  # fmt: skip
-        """Logits [count, V] after the first ``count`` of ``tokens`` [STEP_ROWS, 1]; writes their keys and values
+        """Logits [count, V] after the first ``count`` of ``tokens`` [rows, 1]; writes their keys and values
         into ``keys``/``values`` [L, 1, H_kv, capacity, D] at slots ``length + t``."""
         decoder = self._decoder
-        x = decoder.embed_tokens(tokens)  # [STEP_ROWS, 1, hidden]
+        x = decoder.embed_tokens(tokens)  # [rows, 1, hidden]
         rotary = decoder.rotary_emb(x, positions)
         for index, layer in enumerate(self._layers):
-            q, k, v = layer.project(x, rotary)  # [STEP_ROWS, H(_kv), 1, D]
+            q, k, v = layer.project(x, rotary)  # [rows, H(_kv), 1, D]
             layer_keys, layer_values = keys[index], values[index]  # [1, H_kv, capacity, D]
             layer_keys[0, :, length : length + count] = k[:count, :, 0].transpose(0, 1)
             layer_values[0, :, length : length + count] = v[:count, :, 0].transpose(0, 1)
             scale = layer.layer.self_attn.scaling
-            rows = [  # row t as a one-token step after the cache and rows < t
+            attended = [  # row t as a one-token step after the cache and rows < t
                 decode_attention(
                     q[t : t + 1],
                     k[t : t + 1],
@@ -170,8 +175,8 @@ class DecodeStep:
                 )
                 for t in range(count)
             ]
-            rows += rows[:1] * (STEP_ROWS - count)
-            x = layer.finish(x, torch.cat(rows))
+            attended += attended[:1] * (x.shape[0] - count)
+            x = layer.finish(x, torch.cat(attended))
         return self._model.lm_head(rms_norm(decoder.norm, x))[:count, -1]
 
 

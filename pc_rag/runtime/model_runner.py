@@ -32,7 +32,7 @@ from transformers import PreTrainedModel
 
 from pc_rag.assemble import forward_new_tokens
 from pc_rag.kv import BufferCache, KVBuffer
-from pc_rag.runtime.decode_step import DecodeStep, FusedLayer, built_once, rms_norm
+from pc_rag.runtime.decode_step import STEP_ROWS, DecodeStep, FusedLayer, built_once, rms_norm
 from pc_rag.runtime.model_call import PLAIN, ModelCall
 from pc_rag.weights import KERNEL_ROWS
 
@@ -289,7 +289,7 @@ class ModelRunner:
     def decode(self, token: int, position: int, cache: BufferCache) -> torch.Tensor:
         """The logits [V] after ``token`` at ``position``, written after the cache's tokens (the cache advances)."""
         if not self.static:
-            return self.verify([token], position, cache)[0]
+            return self._eager([token], position, cache, rows=1)[0]
         length = cache.get_seq_length()
         buffer = cache.gathered(room=1)
         logits = self._bucket(buffer, 1, length).run([token], [position], length)
@@ -302,17 +302,21 @@ class ModelRunner:
     def verify(self, tokens: Sequence[int], position: int, cache: BufferCache) -> torch.Tensor:
         """The logits [T, V] after each of ``tokens`` (a fed token, then drafts; T <= ``STEP_ROWS``) from
         ``position``, all written after the cache's tokens (the cache advances by T; the caller crops rejected
-        drafts). Row t equals ``decode`` of ``tokens[t]`` after ``tokens[:t]``, bit for bit (``DecodeStep``)."""
+        drafts). Every step of a speculative request runs here, drafts or not: row t then equals the step of
+        ``tokens[t]`` alone after ``tokens[:t]``, bit for bit (``DecodeStep``, ``STEP_ROWS`` rows)."""
         assert self.speculates, "verify runs the CPU's DecodeStep (CUDA graphs decode one token)"
+        return self._eager(tokens, position, cache, rows=STEP_ROWS)
+
+    def _eager(self, tokens: Sequence[int], position: int, cache: BufferCache, rows: int) -> torch.Tensor:
         step = DecodeStep.of(self.model)
         assert step is not None, "decode needs a model DecodeStep describes (see DecodeStep.serves)"
         self._count("fallback")  # eager: not the static path CUDA would replay
-        return step(tokens, position, cache)
+        return step(tokens, position, cache, rows)
 
     @property
     def speculates(self) -> bool:
-        """Whether ``verify`` runs: drafts cost nothing here (every step computes ``STEP_ROWS`` rows). Not under CUDA
-        graphs (nor their CPU bookkeeping mode) yet, whose decode bucket is one token."""
+        """Whether ``verify`` runs (the CPU's eager step; a speculative step computes ``STEP_ROWS`` rows). Not
+        under CUDA graphs (nor their CPU bookkeeping mode) yet, whose decode bucket is one token."""
         return not self.static and self._static is not None
 
     def serves(self, cache: object, call: ModelCall = PLAIN) -> bool:

@@ -57,8 +57,8 @@ def test_a_verify_row_equals_the_one_token_step_bit_for_bit(tokenizer, arch: str
     tokens = [5, 77, 301, 9][:STEP_ROWS]
     plain_buffer, plain_cache = _prefilled(lm, prompt)
     spec_buffer, spec_cache = _prefilled(lm, prompt)
-    with torch.inference_mode():
-        one_by_one = torch.stack([runner.decode(t, len(prompt) + i, plain_cache) for i, t in enumerate(tokens)])
+    with torch.inference_mode():  # each token alone through the speculative step (no drafts), then all at once
+        one_by_one = torch.cat([runner.verify([t], len(prompt) + i, plain_cache) for i, t in enumerate(tokens)])
         verified = runner.verify(tokens, len(prompt), spec_cache)
     assert torch.equal(verified, one_by_one)
     length = len(prompt) + len(tokens)
@@ -76,18 +76,24 @@ def _echo_prompt(tokenizer) -> tuple[PromptCache, Prompt]:
 
 
 @pytest.mark.parametrize("arch", DESCRIBED)
-def test_greedy_output_with_speculation_is_the_plain_output(tokenizer, arch: str) -> None:
+def test_greedy_output_with_speculation_is_the_plain_output(tokenizer, arch: str, monkeypatch) -> None:
+    """Bit for bit against the same steps with no drafts; within float rounding against one-row steps."""
     pc = PromptCache(tiny_model(arch, tokenizer))
     text = "The red tower stands in Paris. The red tower stands in Paris. The red tower stands in"
     pc.add_schema(Schema("s", (Module("doc", (Text(text),)),)))
     accepted = 0
     for question in (" Paris. The red tower", " Where is it?", " tower stands"):
         prompt = Prompt("s", (Import("doc"), Text(question)))
-        plain = pc.generate(prompt, max_new_tokens=40, keep_logits=40, speculative=False)
         fast = pc.generate(prompt, max_new_tokens=40, keep_logits=40, speculative=True)
+        one_row = pc.generate(prompt, max_new_tokens=40, keep_logits=40, speculative=False)
+        with monkeypatch.context() as patch:
+            patch.setattr(PromptLookup, "propose", lambda self, count: [])
+            plain = pc.generate(prompt, max_new_tokens=40, keep_logits=40, speculative=True)
         assert fast.token_ids == plain.token_ids and fast.text == plain.text
-        assert fast.step_logits is not None and plain.step_logits is not None
+        assert fast.step_logits is not None and plain.step_logits is not None and one_row.step_logits is not None
         assert torch.equal(fast.step_logits, plain.step_logits)  # each token picked from the same bits
+        steps = min(len(one_row.step_logits), len(plain.step_logits))
+        torch.testing.assert_close(one_row.step_logits[:steps], plain.step_logits[:steps], rtol=1e-4, atol=1e-4)
         assert plain.stats.decode_steps == len(plain.token_ids) - 1 and plain.stats.drafted == 0
         assert fast.stats.decode_steps <= plain.stats.decode_steps
         accepted += fast.stats.accepted
@@ -100,10 +106,10 @@ def test_int8_verifies_drafts_and_undescribed_models_decode_one_token_per_forwar
     prompt = Prompt("s", (Import("doc"), Text(" The red")))
     quantized = PromptCache(tiny_in("llama", "int8", tokenizer))
     quantized.add_schema(schema)
-    assert quantized.generate(prompt, max_new_tokens=12).stats.drafted > 0
+    assert quantized.generate(prompt, max_new_tokens=12, speculative=True).stats.drafted > 0
     undescribed = PromptCache(tiny_model(sorted(set(TINY_CONFIGS) - set(DESCRIBED))[0], tokenizer))
     undescribed.add_schema(schema)
-    plain = undescribed.generate(prompt, max_new_tokens=8)
+    plain = undescribed.generate(prompt, max_new_tokens=8, speculative=True)
     assert plain.stats.drafted == 0 and plain.stats.decode_steps == len(plain.token_ids) - 1
 
 
