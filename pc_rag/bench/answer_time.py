@@ -124,7 +124,8 @@ def llama_cpp_peers(gguf: str | None, stop_ids: frozenset[int], context: int) ->
     threads = torch.get_num_threads()  # llama-cpp-python's default is half the cores
     settings = {"n_ctx": context, "n_threads": threads, "n_threads_batch": threads, "verbose": False}
     plain = Llama(model_path=gguf, **settings)
-    lookup = Llama(model_path=gguf, draft_model=LlamaPromptLookupDecoding(num_pred_tokens=10), **settings)
+    draft = LlamaPromptLookupDecoding(num_pred_tokens=10)
+    lookup = Llama(model_path=gguf, draft_model=draft, logits_all=True, **settings)  # verifying reads every row
     stops = stop_ids | {plain.token_eos()}
 
     def cold(work: AnswerWorkload) -> Answer:
