@@ -237,6 +237,25 @@ def gguf_file(name_or_path: str) -> Path | None:
     return path if path.suffix == ".gguf" and path.is_file() else None
 
 
+def bundled_model_problem(name: str) -> str | None:
+    """Why the bundled model ``name`` cannot load here (package absent, or a part package missing); ``None`` if it can.
+
+    Cheap: it looks packages up and never joins or converts weights.
+    """
+    package, filename, install = _BUNDLED_GGUF[name]
+    spec = importlib.util.find_spec(package)
+    if spec is None or spec.origin is None:
+        return f"needs the package {package!r}: run `{install}`"
+    if filename is None:  # shipped in parts: every part package and file must be there
+        try:
+            importlib.import_module(package).verify_chunks()
+        except (ImportError, OSError) as e:
+            return f"the package {package!r} is incomplete ({e}): run `{install}`"
+    elif not (Path(spec.origin).parent / filename).is_file():
+        return f"the package {package!r} lacks {filename}: run `{install}`"
+    return None
+
+
 def model_directory(name_or_path: str) -> str:
     """Return a local directory holding safetensors weights and a tokenizer for ``name_or_path``."""
     if name_or_path in _BUNDLED_GGUF:

