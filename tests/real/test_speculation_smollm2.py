@@ -19,12 +19,12 @@ def test_speculative_answers_are_the_plain_answers(smollm2: LoadedModel, mode: s
     engine = RagEngine(smollm2)
     mode = engine.default_mode if mode == "default mode" else mode
     accepted = 0
-    for q in sample_questions()[:2]:
-        chunks = engine.encode([engine.passage_text(i + 1, t, x) for i, (t, x) in enumerate(q.passages[:5])], mode)
+    for q in sample_questions()[:1]:  # one question keeps CI short; the benchmark covers more
+        chunks = engine.encode([engine.passage_text(i + 1, t, x) for i, (t, x) in enumerate(q.passages[:3])], mode)
         with monkeypatch.context() as patch:  # the same steps with no drafts
             patch.setattr(PromptLookup, "propose", lambda self, count: [])
-            plain = engine.answer(chunks, q.question, mode, max_new_tokens=48, speculative=True)
-        fast = engine.answer(chunks, q.question, mode, max_new_tokens=48, speculative=True)
+            plain = engine.answer(chunks, q.question, mode, max_new_tokens=32, speculative=True)
+        fast = engine.answer(chunks, q.question, mode, max_new_tokens=32, speculative=True)
         assert fast.token_ids == plain.token_ids, q.id
         assert fast.stats.decode_steps < plain.stats.decode_steps
         accepted += fast.stats.accepted
