@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from conftest import tiny_model
 
-from pc_rag.bench import answer_time
+from pc_rag.bench import llama_cpp_answers
 from pc_rag.bench.answer_time import LLAMA_CPP_ROWS, AnswerRow, answer_workload, gates, run_answers, summary
 from pc_rag.hotpotqa_sample import sample_questions
 from pc_rag.rag import RagEngine
@@ -27,7 +27,7 @@ def test_a_workload_holds_its_questions_passages_first_and_about_the_target(engi
 
 
 def test_every_row_is_timed_speculation_matches_plain_and_llama_cpp_says_why(engine: RagEngine, monkeypatch) -> None:
-    monkeypatch.setattr(answer_time.importlib.util, "find_spec", lambda name: None)  # as where it is not installed
+    monkeypatch.setattr(llama_cpp_answers.importlib.util, "find_spec", lambda name: None)  # not installed
     rows = run_answers(engine, [250], questions=1, runs=1, gguf=None, busy=[1], log=lambda line: None)
     missing = [r for r in rows if r.peer in LLAMA_CPP_ROWS]
     assert len(missing) == 3 and all("not installed" in r.note for r in missing)
@@ -62,3 +62,11 @@ def test_gates_compare_our_answers_with_llama_cpps_on_the_same_questions() -> No
     assert decode["value"] == pytest.approx((40 / 30 + 25 / 30) / 2) and decode["met"]
     gain = checks["decode tokens/s, speculation / plain decode (median over questions)"]
     assert gain["value"] == pytest.approx((2 + 1.25) / 2) and gain["met"]
+
+
+def test_llama_cpp_runs_in_a_process_of_its_own_and_a_failure_there_is_three_rows_that_say_so(tmp_path) -> None:
+    job = {"gguf": str(tmp_path / "missing.gguf"), "threads": 1, "context": 512, "runs": 1, "stop_ids": [0],
+           "works": [{"question": "q", "ids": [1, 2, 3], "documents": 2}]}  # fmt: skip
+    rows = llama_cpp_answers.llama_cpp_rows(job)
+    assert [r.peer for r in rows] == list(LLAMA_CPP_ROWS)
+    assert all("llama.cpp process failed" in r.note and r.answer_ms is None for r in rows)

@@ -5,62 +5,34 @@ its own passages, padded with other sample passages to about ``target`` tokens, 
 answers it greedily, up to 64 tokens, stopping at EOS; a row is one (peer, length, question), timed as the median
 of ``runs`` answers after a warm-up, with its TTFT, decode tokens/s, tokens generated, tokens per decode step and
 whether its output equals the same peer's plain decoding. Our rows: the default mode and ``naive``, each with
-speculation and without. llama.cpp (``llama-cpp-python``, same threads): full prefill, its prefix cache warm
-(the documents were evaluated by an earlier request) and prompt-lookup decoding on the warm prefix. ``busy``
+speculation and without. llama.cpp (``llama-cpp-python``, same threads, in a process of its own after ours:
+``llama_cpp_answers``): full prefill, its prefix cache warm and prompt-lookup decoding on the warm prefix. ``busy``
 loops (plain Python processes spinning) can run beside the timing. This module knows nothing about how serving
 works; it times engines and libraries.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import statistics
 import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from pc_rag.bench.peers import _passage_budget
-from pc_rag.errors import PCRagError
+from pc_rag.bench.answer_rows import MAX_TOKENS, Answer, AnswerRow, line, measure
+from pc_rag.bench.llama_cpp_answers import LLAMA_CPP_ROWS, llama_cpp_rows, unavailable
+from pc_rag.bench.peers import passage_budget
 from pc_rag.hotpotqa_sample import SampleQuestion, sample_questions
 from pc_rag.rag.engine import Chunk, RagEngine
 from pc_rag.runtime.threads import use_free_cores
 
-MAX_TOKENS = 64
 AUTO = " (--threads auto)"
-LLAMA_CPP_ROWS = ("llama.cpp full prefill", "llama.cpp, prefix cache warm", "llama.cpp, prompt lookup (warm)")
-
-
-@dataclass
-class Answer:
-    """One answer: first-token ms, whole-answer ms, its token ids, and tokens per decode step."""
-
-    first_ms: float
-    total_ms: float
-    token_ids: list[int]
-    per_step: float | None
-
-
-@dataclass
-class AnswerRow:
-    peer: str
-    context_tokens: int
-    question: str
-    ttft_ms: float | None = None
-    answer_ms: float | None = None
-    tokens: int | None = None
-    decode_tokens_per_s: float | None = None
-    tokens_per_step: float | None = None
-    same_as_plain: bool | None = None  # None for a peer's plain row itself
-    busy: int = 0
-    threads: int = 0
-    note: str = ""
-    token_ids: list[int] = field(default_factory=list, repr=False)
+__all__ = ["LLAMA_CPP_ROWS", "AnswerRow", "answer_workload", "gates", "machine", "markdown", "run_answers", "summary"]
 
 
 @dataclass(frozen=True)
@@ -74,7 +46,7 @@ class AnswerWorkload:
 def answer_workload(engine: RagEngine, question: SampleQuestion, target: int) -> AnswerWorkload:
     """``question``'s passages first, then other sample passages, until the prompt holds about ``target``
     tokens (the last passage cut)."""
-    budget = _passage_budget(engine, target)
+    budget = passage_budget(engine, target)
     others = [p for q in sample_questions() if q.id != question.id for p in q.passages]
     texts: list[str] = []
     for title, body in [*question.passages, *others]:
@@ -111,73 +83,8 @@ def engine_peers(engine: RagEngine) -> dict[str, tuple[Peer, str | None]]:
     return rows
 
 
-def llama_cpp_peers(gguf: str | None, stop_ids: frozenset[int], context: int) -> dict[str, tuple[Peer, str | None]]:
-    """llama.cpp's rows, or each row's reason when it cannot run here."""
-    if importlib.util.find_spec("llama_cpp") is None:
-        reason = "llama-cpp-python is not installed (pip install llama-cpp-python; it compiles llama.cpp)"
-        raise _Unavailable(reason)
-    if gguf is None:
-        raise _Unavailable("the model was not loaded from a GGUF file")
-    from llama_cpp import Llama
-    from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
-
-    threads = torch.get_num_threads()  # llama-cpp-python's default is half the cores
-    settings = {"n_ctx": context, "n_threads": threads, "n_threads_batch": threads, "verbose": False}
-    plain = Llama(model_path=gguf, **settings)
-    draft = LlamaPromptLookupDecoding(num_pred_tokens=10)
-    lookup = Llama(model_path=gguf, draft_model=draft, logits_all=True, **settings)  # verifying reads every row
-    stops = stop_ids | {plain.token_eos()}
-
-    def cold(work: AnswerWorkload) -> Answer:
-        plain.reset()  # forget every cached token: a full prefill
-        return _llama_answer(plain, work.ids, stops)
-
-    def warm(llm: Llama) -> Peer:
-        def run(work: AnswerWorkload) -> Answer:
-            # an earlier request held the same preamble and documents (another question); generate() reuses the
-            # longest common prefix of its context, so only the question is computed, as in our cached path
-            llm.reset()
-            _llama_answer(llm, work.ids[: work.documents], stops, limit=1)
-            return _llama_answer(llm, work.ids, stops)
-
-        return run
-
-    cold_row, warm_row, lookup_row = LLAMA_CPP_ROWS
-    return {cold_row: (cold, None), warm_row: (warm(plain), None), lookup_row: (warm(lookup), warm_row)}
-
-
-class _Unavailable(PCRagError):
-    """A peer that cannot run here, with the reason."""
-
-
-def _llama_answer(llm: object, prompt: list[int], stops: frozenset[int], limit: int = MAX_TOKENS) -> Answer:
-    start = time.perf_counter()
-    first, ids = 0.0, []
-    for token in llm.generate(prompt, temp=0.0):  # type: ignore[attr-defined]
-        if not ids:
-            first = (time.perf_counter() - start) * 1000
-        if token in stops:
-            break
-        ids.append(token)
-        if len(ids) == limit:
-            break
-    return Answer(first, (time.perf_counter() - start) * 1000, ids, None)  # llama.cpp does not say
-
-
-def measure(peer: str, run: Peer, work: AnswerWorkload, runs: int) -> AnswerRow:
-    """The median of ``runs`` answers after one warm-up (the outputs must not change between runs)."""
-    run(work)
-    answers = [run(work) for _ in range(runs)]
-    ids = answers[0].token_ids
-    if any(a.token_ids != ids for a in answers):
-        return AnswerRow(peer, len(work.ids), work.question.id, note="output changed between runs")
-    total = statistics.median(a.total_ms for a in answers)
-    first = statistics.median(a.first_ms for a in answers)
-    decode_s = (total - first) / 1000
-    speed = (len(ids) - 1) / decode_s if len(ids) > 1 and decode_s > 0 else None
-    row = AnswerRow(peer, len(work.ids), work.question.id, first, total, len(ids), speed, answers[0].per_step)
-    row.token_ids = ids
-    return row
+def _measure(peer: str, run: Peer, work: AnswerWorkload, runs: int) -> AnswerRow:
+    return measure(peer, lambda: run(work), len(work.ids), work.question.id, runs)
 
 
 @contextmanager
@@ -206,50 +113,44 @@ def run_answers(
     speculation at the first length beside each count of ``busy`` loops."""
     rows: list[AnswerRow] = []
     peers = engine_peers(engine)
-    context = max(lengths) + MAX_TOKENS + 256
-    try:
-        peers |= llama_cpp_peers(gguf, engine._stop_ids, context)
-    except _Unavailable as e:
-        rows += [AnswerRow(name, 0, "", note=str(e)) for name in LLAMA_CPP_ROWS]
     threads = torch.get_num_threads()
+    works = []
     for target in lengths:
         for question in sample_questions()[:questions]:
             work = answer_workload(engine, question, target)
+            works.append(work)
             done: dict[str, AnswerRow] = {}
             for name, (run, plain) in peers.items():
-                row = measure(name, run, work, runs)
+                row = _measure(name, run, work, runs)
                 row.threads = threads
                 if plain is not None and plain in done and row.note == "":
                     row.same_as_plain = row.token_ids == done[plain].token_ids
                 done[name] = row
                 rows.append(row)
-                log(_line(row))
+                log(line(row))
+    reason = unavailable(gguf)
+    if reason is not None:
+        rows += [AnswerRow(name, 0, "", note=reason) for name in LLAMA_CPP_ROWS]
+    else:  # in a process of its own, after ours: the two runtimes' thread pools never meet
+        job = {
+            "gguf": gguf, "threads": threads, "context": max(lengths) + MAX_TOKENS + 256, "runs": runs,
+            "stop_ids": sorted(engine.stop_ids),
+            "works": [{"question": w.question.id, "ids": w.ids, "documents": w.documents} for w in works],
+        }  # fmt: skip
+        rows += llama_cpp_rows(job)
     default = f"pc-rag {engine.default_mode} + speculation"
     work = answer_workload(engine, sample_questions()[0], lengths[0])
     for count in busy:
         for auto in (False, True):  # torch's threads as they are, then the cores the busy loops leave free
             use_free_cores(auto)
             with busy_loops(count):
-                row = measure(f"{default}{AUTO if auto else ''}", peers[default][0], work, runs)
+                row = _measure(f"{default}{AUTO if auto else ''}", peers[default][0], work, runs)
             row.busy, row.threads = count, torch.get_num_threads()
             use_free_cores(False)
             torch.set_num_threads(threads)
             rows.append(row)
-            log(_line(row))
+            log(line(row))
     return rows
-
-
-def _line(r: AnswerRow) -> str:
-    if r.answer_ms is None:
-        return f"{r.peer:<40} {r.context_tokens:>6} {r.question[:8]:<8}  {r.note}"
-    speed = f"{r.decode_tokens_per_s:.1f}" if r.decode_tokens_per_s else "-"
-    per_step = f"{r.tokens_per_step:.2f}" if r.tokens_per_step else "-"
-    same = {None: "", True: "same", False: "DIFFERENT"}[r.same_as_plain]
-    busy = f" busy={r.busy}" if r.busy else ""
-    return (
-        f"{r.peer:<40} {r.context_tokens:>6} {r.question[:8]:<8} TTFT {r.ttft_ms:7.0f} ms  answer {r.answer_ms:7.0f} ms"
-        f"  {r.tokens:>3} tok  {speed:>6} tok/s  {per_step:>5}/step {same}{busy}"
-    )
 
 
 def summary(rows: Sequence[AnswerRow]) -> list[dict[str, object]]:

@@ -65,7 +65,7 @@ class Workload:
 
 def build_workload(engine: RagEngine, target: int) -> Workload:
     """Passages from the bundled sample until the prompt holds about ``target`` tokens."""
-    budget = _passage_budget(engine, target)
+    budget = passage_budget(engine, target)
     texts: list[str] = []
     passages = [p for q in sample_questions() for p in q.passages]
     for title, body in passages:
@@ -81,7 +81,7 @@ def build_workload(engine: RagEngine, target: int) -> Workload:
     return Workload(chunks, QUESTION, decode(ids), len(ids), decode(ids[:documents]))
 
 
-def _passage_budget(engine: RagEngine, target: int) -> int:
+def passage_budget(engine: RagEngine, target: int) -> int:
     """Tokens left for passages in a prompt of ``target`` tokens; ``PCRagError`` if too few for one passage."""
     budget = target - len(engine.head_ids) - len(engine.tokenize(engine.prompt.tail(engine.wrappers, QUESTION)))
     if budget < 8:  # a negative budget would cut passages from their end instead of to nothing
@@ -249,7 +249,7 @@ def run_peers(
     ``reference``: the same model in float32, whose full prefill is timed too.
     """
     for target in lengths:  # refuse a length too short before timing anything
-        _passage_budget(engine, target)
+        passage_budget(engine, target)
     rows: list[PeerRow] = []
     dtypes = {FULL_PREFILL_FLOAT32: "float32", **dict.fromkeys(LLAMA_CPP, "gguf")}
     with tqdm(desc="peers", unit="peer", disable=not progress) as bar:

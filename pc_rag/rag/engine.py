@@ -92,7 +92,7 @@ class RagEngine:
         # the preamble's KV as requests may share it: this engine's encoding, at positions 0...
         self._head_key = SegmentKey(f"rag-preamble/{uuid4().hex}", self.head_ids, tuple(range(len(self.head_ids))))
         self.canonical_start = len(self.head_ids) + canonical_gap
-        self._stop_ids = eos_ids(lm.model, lm.tokenizer)
+        self.stop_ids = eos_ids(lm.model, lm.tokenizer)  # the tokens that end an answer
         self._buffers = BufferPool(lm.model)
 
     @cached_property
@@ -256,7 +256,7 @@ class RagEngine:
 
     def serve(self, request: Request) -> ReplyStream:
         """Serve a ``Request`` of this engine alone (``serving.execute``); a ``Scheduler`` batches them instead."""
-        return ReplyStream(execute(self.lm, self._buffers, request, self._stop_ids))
+        return ReplyStream(execute(self.lm, self._buffers, request, self.stop_ids))
 
     def layout(self, chunks: Sequence[Chunk], question: str) -> QueryLayout:
         """The answer's prompt as a union-free schema prompt, laid out and planned (``rag.query_layout``)."""
@@ -282,7 +282,7 @@ class RagEngine:
         self, ids: Sequence[int], prefix: SpanKV | None, **kwargs: object
     ) -> Iterator[str | GenerationResult]:
         params = replace(SamplingParams(), **self._with_stop(kwargs))  # type: ignore[arg-type]
-        return serve_full(self.lm, self._buffers, ids, params, self._stop_ids, prefix)
+        return serve_full(self.lm, self._buffers, ids, params, self.stop_ids, prefix)
 
     def request(
         self, chunks: Sequence[Chunk], question: str, mode: str | RecoveryMode | None = None, **kwargs: object
@@ -340,7 +340,7 @@ class RagEngine:
         self, pieces: _Pieces, mode: RecoveryMode, reference_ids: Sequence[int] | None = None, **kwargs: object
     ) -> Iterator[str | GenerationResult]:
         request = self._request(pieces, mode, reference_ids, **kwargs)
-        yield from execute(self.lm, self._buffers, request, self._stop_ids)
+        yield from execute(self.lm, self._buffers, request, self.stop_ids)
 
     def _request(
         self,
