@@ -1,0 +1,157 @@
+"""One decode step against its floor: the bytes a step must read over the bandwidth this machine reads at.
+
+A decode step reads every weight once and the whole KV cache once, so its time cannot go below
+(weight bytes + KV bytes) / read bandwidth. This script serves a cached answer (``naive``, the ``ask`` prompt
+on a bundled sample question padded to each length, EOS ignored so every answer has ``--tokens`` steps), times
+each decode step (``DecodeStep``: the step every mode runs on CPU), profiles ``--profile`` of them with
+``torch.profiler`` and reports the gap to the floor with the ops that take the time. Bandwidth is measured here,
+as the median of summing a 1 GiB float32 tensor with the same threads.
+
+    python examples/decode_floor.py --dtype float32 --dtype int4 --tokens-context 1024,4096 \
+        --json examples/results/decode_floor_xeon.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.profiler import ProfilerActivity, profile
+
+from pc_rag.bench.answer_time import answer_workload, machine
+from pc_rag.hotpotqa_sample import sample_questions
+from pc_rag.model import load_model
+from pc_rag.rag import RagEngine
+from pc_rag.runtime.decode_step import DecodeStep
+from pc_rag.weights import QuantizedLinear
+
+
+def read_bandwidth_gb_s(gib: float = 1.0, runs: int = 7) -> float:
+    """Bytes per second that ``sum`` reads from a tensor far larger than the caches."""
+    x = torch.ones(int(gib * 2**30 / 4))
+    x.sum()
+    times = []
+    for _ in range(runs):
+        start = time.perf_counter()
+        x.sum()
+        times.append(time.perf_counter() - start)
+    return x.numel() * 4 / statistics.median(times) / 1e9
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """What one decode step reads of the weights: each linear layer's kernel tensors (quantized) or weight, and
+    the norms; the embedding row it gathers is left out (one row)."""
+    total, seen = 0, set()
+    for module in model.modules():
+        if isinstance(module, QuantizedLinear):
+            tensors = module.kernel_tensors() or (module.weight,)
+        elif isinstance(module, nn.Linear):
+            tensors = (module.weight,)
+        elif isinstance(module, nn.Embedding):
+            continue
+        else:
+            tensors = tuple(module.parameters(recurse=False))
+        for t in (*tensors, *([module.bias] if getattr(module, "bias", None) is not None else [])):
+            if t.data_ptr() not in seen:
+                seen.add(t.data_ptr())
+                total += t.numel() * t.element_size()
+    return total
+
+
+def kv_bytes(model: nn.Module, tokens: int, dtype: torch.dtype) -> int:
+    config = model.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * dtype.itemsize
+    return per_token * tokens
+
+
+class StepTimer:
+    """Within the block, times every ``DecodeStep`` call and profiles ``profiled`` of them (after 4)."""
+
+    def __init__(self, profiled: int) -> None:
+        self.times: list[float] = []
+        self.profiled = profiled
+        self.profiler = profile(activities=[ProfilerActivity.CPU])
+        self._original = DecodeStep.__call__
+
+    def __enter__(self) -> StepTimer:
+        timer, original = self, self._original
+
+        def timed(step: DecodeStep, *args: object, **kwargs: object) -> torch.Tensor:
+            if len(timer.times) == 4:
+                timer.profiler.start()
+            start = time.perf_counter()
+            out = original(step, *args, **kwargs)  # type: ignore[arg-type]
+            timer.times.append(time.perf_counter() - start)
+            if len(timer.times) == 4 + timer.profiled:
+                timer.profiler.stop()
+            return out
+
+        DecodeStep.__call__ = timed  # type: ignore[method-assign]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        DecodeStep.__call__ = self._original  # type: ignore[method-assign]
+
+
+def measure(dtype: str, contexts: list[int], tokens: int, profiled: int, bandwidth: float) -> list[dict]:
+    lm = load_model(dtype=dtype)
+    engine = RagEngine(lm)
+    engine.stop_ids = frozenset()  # every answer runs all its steps
+    rows = []
+    for target in contexts:
+        work = answer_workload(engine, sample_questions()[0], target)
+        timer = StepTimer(profiled)
+        engine.answer(work.chunks, work.question.question, "naive", max_new_tokens=tokens)  # warm-up
+        with timer:
+            engine.answer(work.chunks, work.question.question, "naive", max_new_tokens=tokens)
+        times, prof = timer.times, timer.profiler
+        step_ms = statistics.median(times[2:]) * 1000
+        weights, kv = weight_bytes(lm.model), kv_bytes(lm.model, len(work.ids) + tokens // 2, lm.dtype)
+        floor_ms = (weights + kv) / (bandwidth * 1e9) * 1000
+        ops = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)[:8]
+        row = {
+            "dtype": dtype, "context_tokens": len(work.ids), "step_ms": step_ms, "steps": len(times),
+            "weight_bytes": weights, "kv_bytes": kv, "bandwidth_gb_s": bandwidth, "floor_ms": floor_ms,
+            "gap": step_ms / floor_ms, "threads": torch.get_num_threads(),
+            "top_ops": [{"op": e.key, "self_ms_per_step": e.self_cpu_time_total / 1000 / profiled,
+                         "calls_per_step": e.count / profiled} for e in ops],
+        }  # fmt: skip
+        print(f"{dtype:>8} {row['context_tokens']:>6} tok: step {step_ms:6.1f} ms, floor {floor_ms:5.1f} ms "
+              f"({(weights + kv) / 1e6:.0f} MB at {bandwidth:.1f} GB/s), gap {row['gap']:.1f}x")  # fmt: skip
+        for op in row["top_ops"]:
+            print(f"{'':>17}{op['op']:<40} {op['self_ms_per_step']:6.2f} ms/step  {op['calls_per_step']:5.0f} calls")
+        rows.append(row)
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--dtype", action="append", help="compute dtypes (repeat); default float32")
+    parser.add_argument("--tokens-context", default="1024,4096", help="comma-separated prompt lengths")
+    parser.add_argument("--tokens", type=int, default=24, help="decode steps per answer")
+    parser.add_argument("--profile", type=int, default=10, help="steps profiled")
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    contexts = [int(t) for t in args.tokens_context.split(",")]
+    bandwidth = read_bandwidth_gb_s()
+    print(f"read bandwidth: {bandwidth:.1f} GB/s with {torch.get_num_threads()} threads")
+    rows = [r for dtype in args.dtype or ["float32"] for r in measure(dtype, contexts, args.tokens, args.profile,
+                                                                     bandwidth)]  # fmt: skip
+    if args.json:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=False).stdout
+        args.json.write_text(json.dumps({"machine": machine(), "commit": commit.strip(), "rows": rows}, indent=1)
+                             + "\n")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
