@@ -165,6 +165,8 @@ def decode_tokens(
     runner = ModelRunner.of(model)
     fused = runner.serves(cache, call)
     drafts = params.speculative and fused and runner.speculates
+    # a step without drafts runs one row where that gives the verify rows' bits (quantized kernels, no adapter)
+    one_row = drafts and runner.rows_agree and call.is_plain
 
     def keep(step: int, logits: torch.Tensor) -> None:
         if step < params.keep_logits:
@@ -177,7 +179,7 @@ def decode_tokens(
             adapt_threads()
         if fused:
             with call.context():
-                if drafts:
+                if drafts and not (one_row and len(tokens) == 1):
                     return runner.verify(tokens, position, cache)
                 return runner.decode(tokens[0], position, cache)[None]
         out = call(

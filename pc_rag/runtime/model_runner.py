@@ -23,10 +23,12 @@ import logging
 import threading
 from collections import Counter, OrderedDict
 from collections.abc import Sequence
+from functools import cached_property
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import PreTrainedModel
 
@@ -34,7 +36,7 @@ from pc_rag.assemble import forward_new_tokens
 from pc_rag.kv import BufferCache, KVBuffer
 from pc_rag.runtime.decode_step import STEP_ROWS, DecodeStep, FusedLayer, built_once, rms_norm
 from pc_rag.runtime.model_call import PLAIN, ModelCall
-from pc_rag.weights import KERNEL_ROWS
+from pc_rag.weights import KERNEL_ROWS, QuantizedLinear
 
 logger = logging.getLogger(__name__)
 
@@ -312,6 +314,19 @@ class ModelRunner:
         assert step is not None, "decode needs a model DecodeStep describes (see DecodeStep.serves)"
         self._count("fallback")  # eager: not the static path CUDA would replay
         return step(tokens, position, cache, rows)
+
+    @cached_property
+    def rows_agree(self) -> bool:
+        """Whether a row of a several-row step gets the bits it gets in a one-row step, so a speculative step
+        without drafts can run one row and speculation still equals plain decoding bit for bit: every linear
+        layer is weight-only quantized with its CPU kernel (``weights.KERNEL_ROWS``; measured on AVX-512 and AVX2).
+        Not for dense float32 or bfloat16, whose GEMMs pick kernels by row count (MKL, oneDNN)."""
+        linears = [m for m in self.model.modules() if isinstance(m, nn.Linear | QuantizedLinear)]
+        return (
+            self.device.type == "cpu"
+            and bool(linears)
+            and all(isinstance(m, QuantizedLinear) and m.kernel_tensors() is not None for m in linears)
+        )
 
     @property
     def speculates(self) -> bool:

@@ -100,6 +100,53 @@ def test_greedy_output_with_speculation_is_the_plain_output(tokenizer, arch: str
     assert accepted > 0  # drafts were kept: the test compared real speculation
 
 
+@pytest.mark.parametrize("dtype", ["int8", "int4"])
+@pytest.mark.parametrize("arch", DESCRIBED)
+def test_quantized_speculation_is_plain_one_row_decoding_bit_for_bit(
+    tokenizer, arch: str, dtype: str, monkeypatch
+) -> None:
+    """With every linear layer on its quantized kernel, a row's bits do not depend on the step's row count: a step
+    without drafts runs one row, and speculative output equals one-row decoding in tokens and in every step's
+    logits. Drafts come from an oracle that knows the plain answer, in turn none, right ones, and right ones
+    ending in a wrong one (a tiny random model rarely copies its prompt)."""
+    pc = PromptCache(tiny_in(arch, dtype, tokenizer))
+    assert ModelRunner.of(pc.lm.model).rows_agree
+    pc.add_schema(Schema("s", (Module("doc", (Text("The red tower stands in Paris."),)),)))
+    prompt = Prompt("s", (Import("doc"), Text(" Where is it?")))
+    plain = pc.generate(prompt, max_new_tokens=40, keep_logits=40, speculative=False)
+    answer, starts, turns = plain.token_ids, {}, iter(range(10**6))
+
+    def oracle(self: PromptLookup, count: int) -> list[int]:
+        emitted = self._length - starts.setdefault(id(self), self._length - 1)
+        right = answer[emitted : emitted + count]
+        turn = next(turns) % 3
+        if turn == 0 or not right:
+            return []
+        return right if turn == 1 else [*right[:-1], (right[-1] + 1) % len(tokenizer)]
+
+    steps: Counter[int] = Counter()
+    eager = ModelRunner._eager
+
+    def counted(self, tokens, position, cache, rows):
+        steps[rows] += 1
+        return eager(self, tokens, position, cache, rows)
+
+    monkeypatch.setattr(PromptLookup, "propose", oracle)
+    monkeypatch.setattr(ModelRunner, "_eager", counted)
+    fast = pc.generate(prompt, max_new_tokens=40, keep_logits=40, speculative=True)
+    assert fast.token_ids == plain.token_ids
+    assert fast.step_logits is not None and plain.step_logits is not None
+    assert torch.equal(fast.step_logits, plain.step_logits)
+    assert fast.stats.accepted > 0 and fast.stats.accepted < fast.stats.drafted  # kept and rejected drafts
+    assert steps[1] > 0 and steps[STEP_ROWS] > 0  # steps without drafts ran one row, verify steps all rows
+
+
+def test_dense_models_keep_every_speculative_step_at_step_rows(tokenizer) -> None:
+    """Dense GEMMs round by row count: there a step without drafts must still run ``STEP_ROWS`` rows."""
+    assert not ModelRunner.of(tiny_in("llama", "float32", tokenizer).model).rows_agree
+    assert not ModelRunner.of(tiny_in("llama", "bfloat16", tokenizer).model).rows_agree
+
+
 def test_int8_verifies_drafts_and_undescribed_models_decode_one_token_per_forward(tokenizer, monkeypatch) -> None:
     monkeypatch.setattr(PromptLookup, "propose", lambda self, count: [7, 8, 9][:count])  # a draft every step
     schema = Schema("s", (Module("doc", (Text("The red tower. The red tower. The red tower."),)),))
