@@ -128,9 +128,7 @@ class DecodeStep:
         on the modules then act inside the step as in the model's forward."""
         return all(layer.qkv is None and layer.gate_up is None for layer in self._layers)
 
-    def __call__(
-        self, tokens: Sequence[int], position: int, cache: BufferCache, rows: int = STEP_ROWS
-    ) -> torch.Tensor:
+    def __call__(self, tokens: Sequence[int], position: int, cache: BufferCache, rows: int = STEP_ROWS) -> torch.Tensor:
         """``rows``: the row count every matmul runs (the tokens, then padding): 1 for plain decoding, where a
         one-row GEMM is the fastest; ``STEP_ROWS`` for every step of a speculative request, so a verify row
         equals the step without drafts bit for bit."""

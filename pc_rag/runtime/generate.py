@@ -165,8 +165,9 @@ def decode_tokens(
     runner = ModelRunner.of(model)
     fused = runner.serves(cache, call)
     drafts = params.speculative and fused and runner.speculates
-    # a step without drafts runs one row where that gives the verify rows' bits (quantized kernels, no adapter)
-    one_row = drafts and runner.rows_agree and call.is_plain
+    # a step runs as many rows as it has tokens where a row's bits do not depend on the row count (quantized
+    # kernels, no adapter); elsewhere every step runs STEP_ROWS rows
+    exact_rows = drafts and runner.rows_agree and call.is_plain
 
     def keep(step: int, logits: torch.Tensor) -> None:
         if step < params.keep_logits:
@@ -179,8 +180,8 @@ def decode_tokens(
             adapt_threads()
         if fused:
             with call.context():
-                if drafts and not (one_row and len(tokens) == 1):
-                    return runner.verify(tokens, position, cache)
+                if drafts:
+                    return runner.verify(tokens, position, cache, rows=len(tokens) if exact_rows else STEP_ROWS)
                 return runner.decode(tokens[0], position, cache)[None]
         out = call(
             model,

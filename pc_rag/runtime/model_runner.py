@@ -301,13 +301,15 @@ class ModelRunner:
         return logits.clone()
 
     @torch.inference_mode()
-    def verify(self, tokens: Sequence[int], position: int, cache: BufferCache) -> torch.Tensor:
-        """The logits [T, V] after each of ``tokens`` (a fed token, then drafts; T <= ``STEP_ROWS``) from
-        ``position``, all written after the cache's tokens (the cache advances by T; the caller crops rejected
-        drafts). Every step of a speculative request runs here, drafts or not: row t then equals the step of
-        ``tokens[t]`` alone after ``tokens[:t]``, bit for bit (``DecodeStep``, ``STEP_ROWS`` rows)."""
+    def verify(self, tokens: Sequence[int], position: int, cache: BufferCache, rows: int = STEP_ROWS) -> torch.Tensor:
+        """The logits [T, V] after each of ``tokens`` (a fed token, then drafts; T <= ``rows`` <= ``STEP_ROWS``)
+        from ``position``, all written after the cache's tokens (the cache advances by T; the caller crops rejected
+        drafts). Every step of a speculative request runs here, drafts or not, in ``rows`` rows: row t then equals
+        the step of ``tokens[t]`` alone after ``tokens[:t]`` in as many rows, bit for bit (``DecodeStep``), and in
+        any number of rows where ``rows_agree``."""
         assert self.speculates, "verify runs the CPU's DecodeStep (CUDA graphs decode one token)"
-        return self._eager(tokens, position, cache, rows=STEP_ROWS)
+        assert len(tokens) <= rows <= STEP_ROWS, f"{len(tokens)} tokens in a step of {rows} rows"
+        return self._eager(tokens, position, cache, rows=rows)
 
     def _eager(self, tokens: Sequence[int], position: int, cache: BufferCache, rows: int) -> torch.Tensor:
         step = DecodeStep.of(self.model)
