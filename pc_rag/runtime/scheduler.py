@@ -6,8 +6,9 @@ a recovery refresh is prefilled alone, ``executor.prefill``), and its first toke
 unrefreshed parts are acquired from the ``SharedKVPool`` (one copy for every request that imports them) and the
 rest of its KV is copied into a row of the ``PrivateArena``; its buffer goes back to the pool. Each step then
 runs ``BatchDecodeStep`` over all live rows: the weights are read once per step, and shared KV once per step.
-Torch's threads follow the free cores (``--threads auto``) at each admission and every ``threads.ADAPT_EVERY``
-batched steps, the pace of a request decoded alone: a batch on a busy machine keeps no thread the load took. A
+Torch's threads follow the free cores (``--threads auto``) before the calls it runs (``call``), at each admission
+and every ``threads.ADAPT_EVERY`` batched steps, the pace of a request decoded alone: a batch on a busy machine
+keeps no thread the load took. A
 request the batched step cannot serve (a model it does not describe, a splice adapter or calibration at decode
 time, teacher-forced scoring) is served alone, advanced between the batched steps.
 
@@ -290,6 +291,8 @@ class Scheduler:
             for entry in [e for e in admitted if e.tokens.cancelled.is_set()]:  # its caller left while it waited
                 admitted.remove(entry)
                 entry.tokens.queue.put(_END)
+            if calls:  # building requests is model work too (a conversation's prefix, chunk KV): at today's threads
+                adapt_threads()
             for fn, future in calls:
                 if future.set_running_or_notify_cancel():
                     try:

@@ -108,3 +108,12 @@ def test_plain_requests_decode_batched_at_the_thread_pace_of_a_request_alone(kin
     "".join(reference)
     assert reference.result is not None
     assert tokens == alone_tokens == reference.result.token_ids
+
+
+def test_model_work_run_for_callers_looks_at_the_free_cores_first(servers, monkeypatch) -> None:
+    scheduler = servers[0].scheduler
+    assert scheduler is not None
+    policy = _Flipping()
+    monkeypatch.setattr(threads, "_POLICY", policy)
+    looked = scheduler.call(lambda: policy.looks)  # building a request (a prefix's KV, retrieval) runs here
+    assert looked == 1
