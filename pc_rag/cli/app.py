@@ -122,6 +122,8 @@ def _run(args: argparse.Namespace) -> int:
         return _run_eval(args)
     if args.command == "bench" and args.kind == "gpu":  # builds its own random-weight model
         return bench_commands.run_bench_gpu(args)
+    if args.command == "bench" and args.kind == "load":  # the server it loads runs in a subprocess
+        return bench_commands.run_bench_load(args)
     from pc_rag.model import DEFAULT_MODEL, load_model
 
     if args.command == "bench":

@@ -35,12 +35,18 @@ def add_parser(commands: argparse._SubParsersAction, positive: Callable[[str], i
     peers.add_argument("--tokens", default="1024,2048,4096,8000", help="comma-separated prompt lengths")
     peers.add_argument("--runs", type=int, default=3, help="timed runs per peer and length (median is reported)")
     peers.add_argument("--json", type=Path, default=None, help="write the rows as JSON here")
-    peers.add_argument("--answers", action="store_true",
-                       help="time whole answers (up to 64 tokens, to EOS, the ask prompt, real sample questions, "
-                            "speculation on and off, llama.cpp's prompt lookup) instead of TTFT and a decode formula")
+    peers.add_argument(
+        "--answers",
+        action="store_true",
+        help="time whole answers (up to 64 tokens, to EOS, the ask prompt, real sample questions, "
+        "speculation on and off, llama.cpp's prompt lookup) instead of TTFT and a decode formula",
+    )
     peers.add_argument("--questions", type=positive, default=5, help="with --answers: sample questions per length")
-    peers.add_argument("--busy", default="1,2",
-                       help="with --answers: counts of busy loops to run beside the default mode's first answer")
+    peers.add_argument(
+        "--busy",
+        default="1,2",
+        help="with --answers: counts of busy loops to run beside the default mode's first answer",
+    )
     encode = bench_kinds.add_parser("encode", help="store encoding throughput against the raw batched forward")
     encode.add_argument("--runs", type=positive, default=3, help="timed runs per path (median is reported)")
     encode.add_argument("--json", type=Path, default=None, help="write the rows as JSON here")
@@ -68,6 +74,20 @@ def add_parser(commands: argparse._SubParsersAction, positive: Callable[[str], i
     )
     gpu.add_argument("--runs", type=positive, default=3, help="timed runs per figure (median is reported)")
     gpu.add_argument("--json", type=Path, default=None, help="write device, commit, shape and gates as JSON here")
+    load = bench_kinds.add_parser(
+        "load",
+        help="the server under many streaming clients, some leaving: every "
+        "request answered, refused with 429 or cleanly gone; no 5xx; RSS; no row left",
+    )
+    load.add_argument("--clients", type=positive, default=64, help="concurrent streaming clients (default 64)")
+    load.add_argument("--leaving", type=int, default=16, help="clients that disconnect after 2 chunks (default 16)")
+    load.add_argument("--max-concurrency", type=positive, default=4, help="the server's decoding slots (default 4)")
+    load.add_argument("--queue-limit", type=positive, default=64, help="the server's queue before 429 (default 64)")
+    load.add_argument("--max-tokens", type=positive, default=32, help="tokens asked per request (default 32)")
+    load.add_argument("--documents", type=positive, default=40, help="sample passages indexed (default 40)")
+    load.add_argument("--deadline", type=positive, default=900, help="seconds the clients may take (default 900)")
+    load.add_argument("--log", type=Path, default=Path("bench-load-server.log"), help="the server's output")
+    load.add_argument("--json", type=Path, default=None, help="write outcomes, RSS, machine and commit as JSON here")
     scale = bench_kinds.add_parser("scaleout", help="encoding on Ray actors and TTFT from Redis, against local")
     scale.add_argument("--dataset", type=Path, required=True, help="multi-doc QA JSONL whose passages are indexed")
     scale.add_argument("--passages", type=positive, default=600, help="distinct passages to index (default 600)")
@@ -106,6 +126,36 @@ def run_bench_gpu(args: argparse.Namespace) -> int:
         sys.stderr.flush()
         os._exit(130)
     return 0
+
+
+def run_bench_load(args: argparse.Namespace) -> int:
+    """``bench load``: the server runs in a subprocess (this one loads no model). Exit 0 when every invariant held."""
+    from dataclasses import asdict
+
+    from pc_rag.bench.answer_time import machine
+    from pc_rag.bench.load import LoadPlan, drive, format_result, serve_sample
+
+    if not 0 <= args.leaving <= args.clients:
+        raise PCRagError(f"--leaving {args.leaving} must be between 0 and --clients {args.clients}")
+    cli = [f"--device={args.device}", *(f"--{k}={v}" for k in ("model", "dtype", "threads") if (v := getattr(args, k)))]
+    plan = LoadPlan(args.clients, args.leaving, args.max_tokens, float(args.deadline))
+    sizes = {"max_concurrency": args.max_concurrency, "queue_limit": args.queue_limit, "documents": args.documents}
+    with serve_sample(cli, log=args.log, **sizes) as (url, pid):
+        result = drive(url, plan, pid)
+    result.settings = {**sizes, "server_args": cli}
+    print(format_result(result))
+    if args.json:
+        out = {"machine": machine(), "commit": _commit(), "passed": result.passed, **asdict(result)}
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(out, indent=1) + "\n")
+    return 0 if result.passed else 1
+
+
+def _commit() -> str:
+    """The checkout's commit that this pc_rag runs from (empty when it is not in one), wherever the command runs."""
+    here = Path(__file__).resolve().parent
+    git = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=False, cwd=here)
+    return git.stdout.strip()
 
 
 def run_bench(args: argparse.Namespace, lm: LoadedModel) -> None:
@@ -204,8 +254,7 @@ def _run_answers(args: argparse.Namespace, engine: RagEngine, gguf: str | None) 
         print(f"{'met' if check['met'] else 'NOT MET':>7}  {check['name']}: {check['value']} {check['op']} "
               f"{check['threshold']}")  # fmt: skip
     if args.json:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=False).stdout
-        out = {"machine": machine(), "commit": commit.strip(), "gates": checks, "summary": table,
+        out = {"machine": machine(), "commit": _commit(), "gates": checks, "summary": table,
                "rows": [asdict(r) for r in rows]}  # fmt: skip
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(out, indent=1) + "\n")

@@ -20,10 +20,7 @@ from pc_rag.runtime.decode_step import STEP_ROWS
 from pc_rag.runtime.model_call import PLAIN, ModelCall, with_cache
 from pc_rag.runtime.model_runner import ModelRunner
 from pc_rag.runtime.speculation import PromptLookup, accept
-from pc_rag.runtime.threads import adapt_threads
-
-ADAPT_EVERY = 8
-"""Decode steps between two looks at the free cores (``runtime.threads``, when ``--threads auto`` is on)."""
+from pc_rag.runtime.threads import adapt_threads_at
 
 
 @dataclass(frozen=True)
@@ -176,8 +173,7 @@ def decode_tokens(
     @torch.inference_mode()
     def forward(tokens: list[int], position: int) -> torch.Tensor:
         decoded.steps += 1
-        if decoded.steps % ADAPT_EVERY == 0:
-            adapt_threads()
+        adapt_threads_at(decoded.steps)
         if fused:
             with call.context():
                 if drafts:

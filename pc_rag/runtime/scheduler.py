@@ -5,7 +5,10 @@ spliced into a buffer of its own and their new tokens run in one packed pass (``
 a recovery refresh is prefilled alone, ``executor.prefill``), and its first token is sampled. Its shareable,
 unrefreshed parts are acquired from the ``SharedKVPool`` (one copy for every request that imports them) and the
 rest of its KV is copied into a row of the ``PrivateArena``; its buffer goes back to the pool. Each step then
-runs ``BatchDecodeStep`` over all live rows: the weights are read once per step, and shared KV once per step. A
+runs ``BatchDecodeStep`` over all live rows: the weights are read once per step, and shared KV once per step.
+Torch's threads follow the free cores (``--threads auto``) before the calls it runs (``call``), at each admission
+and every ``threads.ADAPT_EVERY`` batched steps, the pace of a request decoded alone: a batch on a busy machine
+keeps no thread the load took. A
 request the batched step cannot serve (a model it does not describe, a splice adapter or calibration at decode
 time, teacher-forced scoring) is served alone, advanced between the batched steps.
 
@@ -40,6 +43,7 @@ from pc_rag.runtime.executor import Prefilled, execute, prefill, splice_request
 from pc_rag.runtime.generate import DecodedTokens, GenerationResult, ReplyStream, eos_ids, run_generation, sample
 from pc_rag.runtime.request import Request
 from pc_rag.runtime.shared_pool import CHUNK_TOKENS, Segment, SharedKVPool
+from pc_rag.runtime.threads import adapt_threads, adapt_threads_at
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -124,6 +128,7 @@ class Scheduler:
         self.pool = SharedKVPool(layers, heads, dim, chunks=chunks, dtype=lm.dtype, device=lm.device)
         self.arena = PrivateArena(layers, heads, dim, rows=max_batch, dtype=lm.dtype, device=lm.device)
         self._step = BatchDecodeStep.of(lm.model)
+        self.batch_steps = 0  # batched decode steps run (each paces the thread policy as one alone decode step does)
         self._prefill = BatchPrefill.of(lm.model)
         self._waiting: deque[_Entry] = deque()
         self._rows: list[_Live] = []  # by arena row
@@ -286,6 +291,8 @@ class Scheduler:
             for entry in [e for e in admitted if e.tokens.cancelled.is_set()]:  # its caller left while it waited
                 admitted.remove(entry)
                 entry.tokens.queue.put(_END)
+            if calls:  # building requests is model work too (a conversation's prefix, chunk KV): at today's threads
+                adapt_threads()
             for fn, future in calls:
                 if future.set_running_or_notify_cancel():
                     try:
@@ -326,6 +333,7 @@ class Scheduler:
                 entry.tokens.queue.put(e)
         if not spliced:
             return
+        adapt_threads()  # as ``executor.prefill`` does for a request prefilled alone
         try:
             assert self._prefill is not None
             jobs = [PrefillJob(buffer, n, e.request.new_ids, e.request.new_positions) for e, buffer, n in spliced]
@@ -428,6 +436,8 @@ class Scheduler:
         tokens = torch.tensor([live.token for live in rows], device=device)
         positions = torch.tensor([live.entry.request.next_position + live.step - 1 for live in rows], device=device)
         assert self._step is not None
+        self.batch_steps += 1
+        adapt_threads_at(self.batch_steps)
         logits = self._step(tokens, positions, self.arena, self.pool, reads)
         best = logits.argmax(-1).tolist()  # one batched argmax, one device-to-host copy per step (greedy rows)
         for live, row_logits, greedy in zip(rows, logits, best, strict=True):

@@ -20,6 +20,8 @@ import torch
 STAT = Path("/proc/stat")
 MIN_INTERVAL_S = 0.05
 """Shorter windows are noise: the previous choice stands."""
+ADAPT_EVERY = 8
+"""Decode steps between two looks at the free cores, on every decode path (alone and batched)."""
 
 
 class FreeCores:
@@ -76,3 +78,11 @@ def adapt_threads() -> None:
     """Adapt torch's threads to the free cores when the policy is on; nothing otherwise."""
     if _POLICY is not None:
         _POLICY.adapt()
+
+
+def adapt_threads_at(step: int) -> None:
+    """``adapt_threads`` every ``ADAPT_EVERY`` decode steps (``step`` counts them from 1): the one pace for a
+    request decoded alone and for the scheduler's batched step, so neither keeps a thread count the machine's
+    load no longer leaves it."""
+    if step % ADAPT_EVERY == 0:
+        adapt_threads()
