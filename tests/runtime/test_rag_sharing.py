@@ -37,15 +37,17 @@ def store(tmp_path_factory, tokenizer) -> DocumentStore:
     return store
 
 
-@pytest.fixture(scope="module")
-def adapted(tmp_path_factory, tokenizer) -> DocumentStore:
-    """A store whose engine serves a merged splice adapter (as a trained one is served) and a calibration."""
+@pytest.fixture(scope="module", params=["merged", "hooks"])
+def adapted(request, tmp_path_factory, tokenizer) -> DocumentStore:
+    """A store whose engine serves a splice adapter (merged, as a trained one is served, or as training's hooks)
+    and a calibration."""
     lm = tiny_model("llama", tokenizer)
     adapter = SpliceAdapter(lm.model, AdapterConfig(rank=4), "fp")
     with torch.no_grad():
         for p in adapter.lora_b.values():
             p.normal_(0, 0.5)  # B starts at zero: make the adapter change the answers
-    engine = RagEngine(lm, RagPrompt(), adapter=adapter.attach(merged=True), calibration=Calibration(0.8, 1.2))
+    adapter.attach(merged=request.param == "merged")
+    engine = RagEngine(lm, RagPrompt(), adapter=adapter, calibration=Calibration(0.8, 1.2))
     embed = as_embedder(lambda texts: np.ones((len(texts), 8), dtype=np.float32), name="constant")
     store = DocumentStore.create(tmp_path_factory.mktemp("a") / "store", engine, embedder=embed, mode="fast")
     store.add_documents(DOCS, progress=False)
