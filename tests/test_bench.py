@@ -129,3 +129,29 @@ def test_serve_bench_compares_batched_with_one_at_a_time(tokenizer) -> None:
         (caches, *contender) for caches in ("flushed", "decode-step") for contender in contenders
     ]
     assert all(r.partition_us > 0 and r.baseline_us > 0 for r in rows) and "two-phase" in format_attention(rows)
+
+
+def test_rag_serve_bench_batches_the_store_default_mode(tmp_path, tokenizer) -> None:
+    """``bench serve --store``: +rag answers in the store's mode ``fast`` (a splice adapter) at once and one at a time,
+    with the same tokens, every request decoded in the batch."""
+    import numpy as np
+
+    from pc_rag.bench.serve_rag import format_rag_serve, run_rag_serve_bench
+    from pc_rag.rag.adapter import AdapterConfig, SpliceAdapter
+    from pc_rag.store import as_embedder
+    from pc_rag.store.document_store import DocumentStore
+
+    lm = tiny_model("llama", tokenizer)
+    adapter = SpliceAdapter(lm.model, AdapterConfig(rank=4), "fp")
+    with torch.no_grad():
+        for p in adapter.lora_b.values():
+            p.normal_(0, 0.5)
+    engine = RagEngine(lm, RagPrompt.longbench(), adapter=adapter.attach(merged=True))
+    embed = as_embedder(lambda texts: np.ones((len(texts), 8), dtype=np.float32), name="constant")
+    store = DocumentStore.create(tmp_path / "store", engine, embedder=embed, mode="fast")
+    store.add_documents(["The Danube flows into the Black Sea.", "Fuji is a volcano in Japan."], progress=False)
+    result = run_rag_serve_bench(store, concurrency=3, k=2, new_tokens=4)
+    assert result.mode == "fast" and result.identical and result.generated_tokens > 0
+    assert (result.batched, result.alone) == (3, 0) and result.widest_step >= 1
+    assert result.tokens_per_s > 0 and result.single_tokens_per_s > 0
+    assert "served alone: 0" in format_rag_serve(result)

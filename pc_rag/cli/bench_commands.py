@@ -66,6 +66,12 @@ def add_parser(commands: argparse._SubParsersAction, positive: Callable[[str], i
     serve_bench.add_argument("--shared-tokens", type=positive, default=1024, help="tokens every request imports")
     serve_bench.add_argument("--new-tokens", type=positive, default=32, help="tokens generated per request")
     serve_bench.add_argument("--json", type=Path, default=None, help="write the result as JSON here")
+    serve_bench.add_argument(
+        "--store", type=Path, default=None,
+        help="instead: +rag answers from this store, --concurrency at once vs one at a time (pc_rag.bench.serve_rag)",
+    )  # fmt: skip
+    serve_bench.add_argument("--mode", default=None, help="with --store: recovery mode (default: the store's)")
+    serve_bench.add_argument("--k", type=positive, default=3, help="with --store: chunks retrieved per question")
     gpu = bench_kinds.add_parser("gpu", help="every GPU acceptance gate on a random-weight model of a real shape")
     gpu.add_argument("--shape", default="llama-3b", help="llama-3b, llama-8b, qwen-7b, or tiny (a CPU check)")
     gpu.add_argument("--tokenizer", type=Path, default=None, help="tokenizer directory (default: the bundled one)")
@@ -101,6 +107,13 @@ def check_args(args: argparse.Namespace) -> None:
         _lengths(args.tokens)
     if args.kind == "link":
         _bandwidths(args.bandwidth)
+    if args.kind == "serve" and args.store is not None:
+        from pc_rag.cli.store_commands import check_store_target
+        from pc_rag.rag.modes import resolve_mode
+
+        check_store_target(args.store, must_exist=True)
+        if args.mode is not None:
+            resolve_mode(args.mode)
 
 
 def run_bench_gpu(args: argparse.Namespace) -> int:
@@ -205,6 +218,19 @@ def run_bench(args: argparse.Namespace, lm: LoadedModel) -> None:
 
         from pc_rag.bench.serve import format_attention, format_serve, run_serve_bench
 
+        if args.store is not None:
+            from pc_rag.bench.serve_rag import format_rag_serve, run_rag_serve_bench
+            from pc_rag.cli.store_commands import engine_for
+            from pc_rag.store.document_store import DocumentStore
+
+            store = DocumentStore.load(args.store, engine_for(lm))
+            store.check_mode(args.mode)
+            rag = run_rag_serve_bench(store, concurrency=args.concurrency, k=args.k, mode=args.mode,
+                                      new_tokens=args.new_tokens)  # fmt: skip
+            print(format_rag_serve(rag))
+            if args.json:
+                args.json.write_text(json.dumps(asdict(rag), indent=2) + "\n")
+            return
         sizes = {"concurrency": args.concurrency, "shared_tokens": args.shared_tokens, "new_tokens": args.new_tokens}
         result, attention = run_serve_bench(PromptCache(lm), **sizes)
         print(format_serve(result))

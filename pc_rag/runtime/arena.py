@@ -73,6 +73,12 @@ class PrivateArena:
         for row in range(rows):
             self.host_lengths[row] += 1
 
+    def advance_rows(self, rows: list[int], index: torch.Tensor) -> None:
+        """One more entry in each live row of ``rows`` (``index``: the same rows as a device tensor)."""
+        self.lengths[index] += 1
+        for row in rows:
+            self.host_lengths[row] += 1
+
     def reserve(self, tokens: int) -> None:
         """Room for ``tokens`` more entries in every live row (and ``tokens`` in a new one)."""
         needed = max(self.host_lengths[: self.active], default=0) + tokens

@@ -32,7 +32,8 @@ from pc_rag.weights import KERNEL_ROWS
 
 @dataclass(frozen=True)
 class SharedRead:
-    """A shared segment and the arena rows (live sequences) that attend to it."""
+    """A shared segment and the step's rows that attend to it (arena rows; with ``rows`` given to the step, indices
+    into those rows)."""
 
     segment: Segment
     rows: torch.Tensor  # [n] long, distinct
@@ -45,7 +46,8 @@ class SharedRead:
 
 
 class BatchDecodeStep:
-    """``step(tokens, positions, arena, pool, reads)``: next-token logits [B, V] of the arena's B live rows."""
+    """``step(tokens, positions, arena, pool, reads, rows)``: next-token logits [B, V] of the arena's B live rows, or
+    of the B rows ``rows`` names (requests whose steps run under another context decode in a step of their own)."""
 
     def __init__(self, model: PreTrainedModel) -> None:
         self._model = model
@@ -57,33 +59,48 @@ class BatchDecodeStep:
         """The model's step, built once per model; None when it would not equal the model's forward."""
         return built_once(cls, model)
 
+    def reads_modules(self) -> bool:
+        """Whether every linear layer runs as its module (no fused int8/int4 kernel): an adapter applied to the
+        modules then acts inside the step as in the model's forward (``DecodeStep.reads_modules``)."""
+        return all(layer.qkv is None and layer.gate_up is None for layer in self._layers)
+
     @torch.inference_mode()
     def __call__(
         self, tokens: torch.Tensor, positions: torch.Tensor, arena: PrivateArena, pool: SharedKVPool | None,
-        reads: Sequence[SharedRead] = (),
+        reads: Sequence[SharedRead] = (), rows: Sequence[int] | None = None,
     ) -> torch.Tensor:  # fmt: skip
-        """Row b's token ``tokens[b]`` at ``positions[b]`` (both [B] long, B = ``arena.active``) is appended to its
-        private KV; returns the logits [B, V] after it."""
-        batch = arena.active
-        assert tokens.shape == positions.shape == (batch,), "one token per live row"
+        """Row b's token ``tokens[b]`` at ``positions[b]`` (both [B] long) is appended to its private KV; returns
+        the logits [B, V] after it. The rows are the arena's B = ``arena.active`` live rows, or the distinct live
+        rows ``rows`` (their private KV is then gathered per layer: a copy the whole-arena step does not make)."""
+        batch = arena.active if rows is None else len(rows)
+        assert tokens.shape == positions.shape == (batch,), "one token per row"
         arena.reserve(1)
         decoder = self._decoder
         padded = padded_rows(batch)
-        rows = torch.arange(batch, device=tokens.device)
-        index = torch.cat([rows, rows.new_zeros(padded - batch)])  # padding rows repeat row 0, never written back
+        if rows is None:
+            live = torch.arange(batch, device=tokens.device)
+            host_lengths = arena.host_lengths[:batch]
+        else:
+            live = torch.tensor(list(rows), dtype=torch.long, device=tokens.device)
+            host_lengths = [arena.host_lengths[r] for r in rows]
+        steps = torch.arange(batch, device=tokens.device)
+        index = torch.cat([steps, steps.new_zeros(padded - batch)])  # padding rows repeat row 0, never written back
         x = decoder.embed_tokens(tokens[index, None])  # [padded, 1, hidden]
         rotary = decoder.rotary_emb(x, positions[index, None])
-        lengths = arena.lengths[:batch]
+        lengths = arena.lengths[:batch] if rows is None else arena.lengths[live]
         # the private keys to read: the longest row's, rounded up (any multiple of CAPACITY_STEP gives the same bits)
-        longest = max(arena.host_lengths[:batch])  # host bookkeeping: no device sync
+        longest = max(host_lengths)  # host bookkeeping: no device sync
         private = min(arena.capacity, -(-(longest + 1) // CAPACITY_STEP) * CAPACITY_STEP)
         groups = _runs(reads) if pool is not None else []
         mask = private_mask(lengths + 1, private, x.dtype)  # after this step's token, the same in every layer
         for layer_index, layer in enumerate(self._layers):
             runs = [SharedRun(*pool.span(a, b, layer_index), readers, m) for a, b, readers, m in groups]
             keys, values = arena.keys[layer_index], arena.values[layer_index]
-            x = layer(x, rotary, keys, values, rows, lengths, runs, mask)
-        arena.advance(batch)
+            x = layer(x, rotary, keys, values, live, lengths, runs, mask, whole=rows is None)
+        if rows is None:
+            arena.advance(batch)
+        else:
+            arena.advance_rows(list(rows), live)
         return self._model.lm_head(rms_norm(decoder.norm, x))[:batch, -1]
 
 
@@ -119,12 +136,13 @@ class _BatchLayer(FusedLayer):
 
     def __call__(
         self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], keys: torch.Tensor, values: torch.Tensor,
-        rows: torch.Tensor, lengths: torch.Tensor, runs: list[SharedRun], private: torch.Tensor,
+        rows: torch.Tensor, lengths: torch.Tensor, runs: list[SharedRun], private: torch.Tensor, whole: bool = True,
     ) -> torch.Tensor:  # fmt: skip
         """``x`` [padded, 1, hidden] -> [padded, 1, hidden] (rows past B pad the matmuls: see
-        ``partition_attention.ROW_MULTIPLE``); writes each live row's new key and value into ``keys``/``values``
-        [rows, H_kv, capacity, D] at ``lengths[b]``, and attends to the entries of each row ``private`` (its additive
-        mask [B, P], ``private_mask``) lets it see."""
+        ``partition_attention.ROW_MULTIPLE``); writes each row's new key and value into ``keys``/``values``
+        [arena rows, H_kv, capacity, D] at arena row ``rows[b]``, entry ``lengths[b]``, and attends to the entries
+        of each row ``private`` (its additive mask [B, P], ``private_mask``) lets it see. ``whole``: ``rows`` are
+        the arena's first B rows, read in place."""
         attn = self.layer.self_attn
         padded, batch = x.shape[0], rows.shape[0]
         fused = x.dtype == torch.bfloat16 and padded <= KERNEL_ROWS
@@ -132,7 +150,10 @@ class _BatchLayer(FusedLayer):
         keys[rows, :, lengths] = k[:batch, :, 0]
         values[rows, :, lengths] = v[:batch, :, 0]
         capacity = private.shape[1]
-        own_keys, own_values = keys[:batch, :, :capacity], values[:batch, :, :capacity]
+        if whole:
+            own_keys, own_values = keys[:batch, :, :capacity], values[:batch, :, :capacity]
+        else:  # [B, H_kv, P, D] gathered: the same entries, so the same bits as read in place
+            own_keys, own_values = keys[rows, :, :capacity], values[rows, :, :capacity]
         out = partition_attention(q[:batch, :, 0], runs, own_keys, own_values, private, attn.scaling)
         if padded > batch:
             out = torch.cat([out, out[:1].expand(padded - batch, -1, -1)])  # [padded, H, D]

@@ -10,9 +10,10 @@ module knows nothing about adapters or calibration: it receives them as values.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Hashable, Mapping
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import transformers
@@ -45,6 +46,16 @@ class ModelCall:
     def is_plain(self) -> bool:
         """Whether this call is the model's own forward, untouched (no kwargs, no context)."""
         return not self.kwargs and self.context is nullcontext
+
+    @property
+    def context_key(self) -> Hashable:
+        """Equal for calls whose contexts do the same thing: the context callable, or for a ``functools.partial``
+        its function and arguments (each request builds its own partial of the same adapter's ``applied``).
+        Calls without kwargs and with equal keys may run as one batched forward inside one context."""
+        context = self.context
+        if isinstance(context, partial):
+            return (context.func, context.args, tuple(sorted(context.keywords.items())))
+        return context
 
     def __call__(self, model: PreTrainedModel, **inputs: Any) -> Any:
         with self.context():

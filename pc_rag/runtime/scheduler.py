@@ -8,9 +8,12 @@ rest of its KV is copied into a row of the ``PrivateArena``; its buffer goes bac
 runs ``BatchDecodeStep`` over all live rows: the weights are read once per step, and shared KV once per step.
 Torch's threads follow the free cores (``--threads auto``) before the calls it runs (``call``), at each admission
 and every ``threads.ADAPT_EVERY`` batched steps, the pace of a request decoded alone: a batch on a busy machine
-keeps no thread the load took. A
-request the batched step cannot serve (a model it does not describe, a splice adapter or calibration at decode
-time, teacher-forced scoring) is served alone, advanced between the batched steps.
+keeps no thread the load took. Requests whose model calls run inside a context (a splice adapter applied: the
+default mode ``fast``) are prefilled and decoded the same way, inside it: rows whose calls share a context
+(``ModelCall.context_key``) run in one step, and each other context gets a step of its own over its rows. A
+request the batched step cannot serve (a model it does not describe, a call with attention kwargs such as
+calibration, an adapter where the step runs fused int8/int4 kernels, teacher-forced scoring) is served alone,
+advanced between the batched steps.
 
 Tokens reach the caller's thread through a queue; detokenizing, stop strings and timing run there
 (``run_generation``). A caller that stops reading (a stop string, an abandoned stream) or calls
@@ -25,7 +28,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -41,6 +44,7 @@ from pc_rag.runtime.batch_prefill import BatchPrefill, PrefillJob
 from pc_rag.runtime.batch_step import BatchDecodeStep, SharedRead
 from pc_rag.runtime.executor import Prefilled, execute, prefill, splice_request
 from pc_rag.runtime.generate import DecodedTokens, GenerationResult, ReplyStream, eos_ids, run_generation, sample
+from pc_rag.runtime.model_call import ModelCall
 from pc_rag.runtime.request import Request
 from pc_rag.runtime.shared_pool import CHUNK_TOKENS, Segment, SharedKVPool
 from pc_rag.runtime.threads import adapt_threads, adapt_threads_at
@@ -108,6 +112,7 @@ class _Live:
     row: int
     segments: list[Segment]
     generator: torch.Generator | None
+    call: ModelCall  # how its decode steps call the model (their context: ``call.context_key``)
     step: int = 0  # tokens emitted so far
     token: int = 0  # the last one, fed to the next step
 
@@ -138,6 +143,8 @@ class Scheduler:
         self._closed = False
         self._worker: threading.Thread | None = None
         self.peak_kv_bytes = (0, 0)  # ``kv_bytes`` when the most requests shared the pool
+        self.served: Counter[str] = Counter()  # requests admitted "batched" and "alone"
+        self.widest_step = 0  # the most rows one batched decode step has run
 
     def stream(self, request: Request) -> ReplyStream:
         """Submit ``request`` and stream its reply (text deltas; ``.result`` at the end)."""
@@ -161,8 +168,7 @@ class Scheduler:
         """Queue ``request``; iterate the result for text deltas, then its ``GenerationResult``.
 
         Raises ``ServerBusyError`` when ``queue_limit`` requests are already waiting."""
-        later = request.calls.later([])
-        batched = self._step is not None and later.is_plain and request.reference_ids is None
+        batched = self._shares_step(request.calls.later([])) and request.reference_ids is None
         entry = _Entry(request, batched)
         with self._lock:
             if self._closed:
@@ -243,6 +249,13 @@ class Scheduler:
             "arena": lambda: arena.keys.nbytes + arena.values.nbytes,
         }
 
+    def _shares_step(self, call: ModelCall) -> bool:
+        """Whether the batched step can run ``call``: the model's own forward, or one inside a context (an adapter
+        applied to the linear modules) when every linear layer of the step runs as its module."""
+        if self._step is None or call.kwargs:
+            return False
+        return call.is_plain or self._step.reads_modules()
+
     def _kv_bytes(self) -> tuple[int, int]:
         tokens = sum(s.length for live in self._rows for s in live.segments)
         return self.pool.held_bytes(), tokens * self.pool.chunk_bytes // CHUNK_TOKENS
@@ -314,19 +327,27 @@ class Scheduler:
             future.set_exception(closed)
 
     def _admit_all(self, entries: list[_Entry]) -> None:
-        """Admit ``entries``: the batched ones without recovery prefill packed together, the others one by one."""
-        packed = []
+        """Admit ``entries``: the batched ones without recovery prefill packed together (one pass per context their
+        first call runs in), the others one by one."""
+        packed: dict[object, list[_Entry]] = {}
         for entry in entries:
             request = entry.request
             if entry.batched and self._prefill is not None and request.refresh is None and request.new_ids:
-                packed.append(entry)
-                continue
+                first = request.calls.first([])
+                if not first.kwargs:
+                    packed.setdefault(first.context_key, []).append(entry)
+                    continue
             try:
                 self._admit(entry)
             except Exception as e:  # noqa: BLE001 - the request's own failure (too long, bad input): its caller raises it
                 entry.tokens.queue.put(e)
+        for group in packed.values():
+            self._admit_packed(group)
+
+    def _admit_packed(self, entries: list[_Entry]) -> None:
+        """Prefill ``entries`` (their first calls share a context) in one packed pass inside that context."""
         spliced = []
-        for entry in packed:
+        for entry in entries:
             try:
                 spliced.append((entry, *splice_request(self.lm, self.buffers, entry.request)))
             except Exception as e:  # noqa: BLE001 - as above
@@ -337,7 +358,8 @@ class Scheduler:
         try:
             assert self._prefill is not None
             jobs = [PrefillJob(buffer, n, e.request.new_ids, e.request.new_positions) for e, buffer, n in spliced]
-            logits = self._prefill(jobs)
+            with entries[0].request.calls.first([]).context():
+                logits = self._prefill(jobs)
         except Exception as e:  # noqa: BLE001 - the packed forward failed: each of its requests learns why
             for entry, buffer, _ in spliced:
                 self.buffers.release(buffer)
@@ -352,6 +374,7 @@ class Scheduler:
             items = execute(self.lm, self.buffers, entry.request, self.stop_ids)
             with self._lock:
                 self._alone.append((entry, items))
+                self.served["alone"] += 1
             return
         self._join(entry, prefill(self.lm, self.buffers, entry.request))
 
@@ -366,11 +389,14 @@ class Scheduler:
             self.buffers.release(done.buffer)
         params = entry.request.params
         generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
+        call = entry.request.calls.later(done.recomputed)
+        assert self._shares_step(call), "a batched request's decode call changed with its recomputed entries"
         # float32 on the CPU here: a conversion on the caller's thread would start torch threads of its own there
         entry.tokens.queue.put(_Started(done.logits.float().cpu(), done.counts))
         with self._lock:
-            live = _Live(entry, self.arena.admit(keys, values), segments, generator)
+            live = _Live(entry, self.arena.admit(keys, values), segments, generator, call)
             self._rows.append(live)
+            self.served["batched"] += 1
             self.peak_kv_bytes = max(self.peak_kv_bytes, self._kv_bytes(), key=lambda held_dup: held_dup[1])
         self._emit(live, done.logits)
 
@@ -424,24 +450,36 @@ class Scheduler:
             self.pool.release(segment)
 
     def _step_batch(self) -> None:
-        rows = list(self._rows)
-        if not rows:
-            return
+        """One decode step of every live row: one batched forward per context the rows' calls run in (usually one),
+        each inside its context; then every row's next token is sampled."""
+        self.batch_steps += 1
+        adapt_threads_at(self.batch_steps)
+        groups: dict[object, list[_Live]] = {}
+        for live in self._rows:
+            groups.setdefault(live.call.context_key, []).append(live)
+        stepped = [(rows, self._step_rows(rows, whole=len(groups) == 1)) for rows in groups.values()]
+        for rows, (logits, best) in stepped:  # rows retire only now: every step above saw the same arena rows
+            for live, row_logits, greedy in zip(rows, logits, best, strict=True):
+                self._emit(live, row_logits, greedy)
+
+    def _step_rows(self, rows: list[_Live], whole: bool) -> tuple[torch.Tensor, list[int]]:
+        """The logits [B, V] of one batched step of ``rows`` (``whole``: every live row, in arena order) inside their
+        calls' context, and their argmax."""
         readers: dict[int, tuple[Segment, list[int]]] = {}
-        for live in rows:
+        for index, live in enumerate(rows):  # a read names the step's rows (when whole, index == live.row)
             for segment in live.segments:
-                readers.setdefault(id(segment), (segment, []))[1].append(live.row)
+                readers.setdefault(id(segment), (segment, []))[1].append(index)
         reads = [SharedRead(s, torch.tensor(r, device=self.lm.device), tuple(r)) for s, r in readers.values()]
         device = self.lm.device
         tokens = torch.tensor([live.token for live in rows], device=device)
         positions = torch.tensor([live.entry.request.next_position + live.step - 1 for live in rows], device=device)
         assert self._step is not None
-        self.batch_steps += 1
-        adapt_threads_at(self.batch_steps)
-        logits = self._step(tokens, positions, self.arena, self.pool, reads)
-        best = logits.argmax(-1).tolist()  # one batched argmax, one device-to-host copy per step (greedy rows)
-        for live, row_logits, greedy in zip(rows, logits, best, strict=True):
-            self._emit(live, row_logits, greedy)
+        with rows[0].call.context():
+            logits = self._step(
+                tokens, positions, self.arena, self.pool, reads, None if whole else [live.row for live in rows]
+            )
+        self.widest_step = max(self.widest_step, len(rows))
+        return logits, logits.argmax(-1).tolist()  # one batched argmax, one device-to-host copy per step
 
     def _step_alone(self) -> None:
         for entry, items in list(self._alone):

@@ -1,4 +1,5 @@
-"""On the real SmolLM2: sixteen requests decoded together answer exactly as each does alone."""
+"""On the real SmolLM2: sixteen requests decoded together answer exactly as each does alone, and so do +rag answers
+in the default mode ``fast`` (the packaged splice adapter applied in the batched steps)."""
 
 from __future__ import annotations
 
@@ -7,9 +8,14 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from pc_rag.engine import PromptCache
+from pc_rag.hotpotqa_sample import sample_questions
 from pc_rag.model import LoadedModel
+from pc_rag.rag import RagEngine, RagPrompt
 from pc_rag.runtime.generate import collect
 from pc_rag.runtime.scheduler import Scheduler
+from pc_rag.server.prompt_server import PromptServer
+from pc_rag.store import as_embedder
+from pc_rag.store.document_store import DocumentStore
 
 pytestmark = pytest.mark.real_model
 
@@ -36,4 +42,27 @@ def test_sixteen_requests_together_answer_as_alone(smollm2: LoadedModel) -> None
             )
     finally:
         scheduler.close()
+    assert together == alone
+
+
+def test_default_mode_rag_answers_decode_together_as_alone(smollm2: LoadedModel, tmp_path) -> None:
+    import numpy as np
+
+    sample = sample_questions()[:4]
+    engine = RagEngine(smollm2, RagPrompt())
+    assert engine.default_mode == "fast"
+    embed = as_embedder(lambda texts: np.ones((len(texts), 8), dtype=np.float32), name="constant")
+    store = DocumentStore.create(tmp_path / "store", engine, embedder=embed)
+    store.add_documents([f"{title}: {text}" for q in sample for title, text in q.passages[:1]], progress=False)
+    server = PromptServer(store=store)
+    questions = [q.question for q in sample]
+    alone = [server.answer(q, k=2, max_new_tokens=8).result.token_ids for q in questions]
+    requests = [server.rag_request(q, k=2, max_new_tokens=8)[1] for q in questions]
+    scheduler = Scheduler(smollm2, max_batch=4)
+    try:
+        handles = scheduler.call(lambda: [scheduler.submit(r) for r in requests])  # admitted in one round
+        together = [collect(h).token_ids for h in handles]
+    finally:
+        scheduler.close()
+    assert scheduler.served == {"batched": len(questions)} and scheduler.widest_step == len(questions)
     assert together == alone

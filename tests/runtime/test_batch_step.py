@@ -144,6 +144,35 @@ def test_a_row_gets_the_same_bits_alone_as_in_any_batch(tokenizer, arch: str, dt
             tokens = many.argmax(-1)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_step_over_some_rows_gives_them_the_bits_of_the_whole_arena_step(tokenizer, dtype: str) -> None:
+    """Rows under different contexts (an adapter applied to some) decode in steps of their own, over the rows
+    ``rows`` names: each row gets the bits of the step over every live row, and only its own KV advances."""
+    lm = tiny_in("llama", dtype, tokenizer)
+    step = BatchDecodeStep.of(lm.model)
+    assert step is not None
+    whole, split = _Batch(lm.model, lm.model.dtype, rows=5), _Batch(lm.model, lm.model.dtype, rows=5)
+    tokens = torch.tensor([5, 77, 301, 9, 40])
+    # rows out of arena order; each part's rows read the two segments as differently as in the whole step (rows
+    # that all read both would attend to them as one run: equal to fp32 rounding only, see ``batch_step._runs``)
+    parts = [[1, 0], [4, 2, 3]]
+    with torch.inference_mode():
+        for i in range(3):
+            every = step(tokens, whole.positions + i, whole.arena, whole.pool, whole.reads())
+            for rows in parts:
+                reads = [
+                    SharedRead(s, torch.tensor(at))
+                    for s, readers in zip(split.segments, split.readers, strict=True)
+                    if (at := [index for index, r in enumerate(rows) if r in readers])
+                ]
+                some = step(tokens[rows], split.positions[rows] + i, split.arena, split.pool, reads, rows)
+                assert torch.equal(some, every[rows]), f"step {i}, rows {rows}"
+            tokens = every.argmax(-1)
+    assert split.arena.host_lengths == whole.arena.host_lengths
+    assert torch.equal(split.arena.lengths, whole.arena.lengths)
+    assert torch.equal(split.arena.keys, whole.arena.keys)
+
+
 @pytest.mark.parametrize("arch", sorted(set(TINY_CONFIGS) - set(DESCRIBED)))
 def test_models_it_does_not_describe_get_no_step(tokenizer, arch: str) -> None:
     assert BatchDecodeStep.of(tiny_model(arch, tokenizer).model) is None

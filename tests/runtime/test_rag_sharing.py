@@ -1,4 +1,6 @@
-"""RAG requests share the preamble and the popular chunks they place at the same positions, and answer as alone."""
+"""RAG requests share the preamble and the popular chunks they place at the same positions, decode together in
+every mode that calls the model without attention kwargs (the default ``fast`` applies a splice adapter), and
+answer as alone."""
 
 from __future__ import annotations
 
@@ -6,9 +8,13 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
+import torch
 from conftest import tiny_model
 
+from pc_rag.calibration import Calibration
 from pc_rag.rag import RagEngine, RagPrompt
+from pc_rag.rag.adapter import AdapterConfig, SpliceAdapter
+from pc_rag.runtime.generate import collect
 from pc_rag.runtime.scheduler import Scheduler, _Entry
 from pc_rag.runtime.shared_pool import CHUNK_TOKENS
 from pc_rag.server.prompt_server import PromptServer
@@ -29,6 +35,67 @@ def store(tmp_path_factory, tokenizer) -> DocumentStore:
     store = DocumentStore.create(tmp_path_factory.mktemp("s") / "store", engine, embedder=embed, mode="prefix")
     store.add_documents(DOCS, progress=False)
     return store
+
+
+@pytest.fixture(scope="module", params=["merged", "hooks"])
+def adapted(request, tmp_path_factory, tokenizer) -> DocumentStore:
+    """A store whose engine serves a splice adapter (merged, as a trained one is served, or as training's hooks)
+    and a calibration."""
+    lm = tiny_model("llama", tokenizer)
+    adapter = SpliceAdapter(lm.model, AdapterConfig(rank=4), "fp")
+    with torch.no_grad():
+        for p in adapter.lora_b.values():
+            p.normal_(0, 0.5)  # B starts at zero: make the adapter change the answers
+    adapter.attach(merged=request.param == "merged")
+    engine = RagEngine(lm, RagPrompt(), adapter=adapter, calibration=Calibration(0.8, 1.2))
+    embed = as_embedder(lambda texts: np.ones((len(texts), 8), dtype=np.float32), name="constant")
+    store = DocumentStore.create(tmp_path_factory.mktemp("a") / "store", engine, embedder=embed, mode="fast")
+    store.add_documents(DOCS, progress=False)
+    return store
+
+
+def _together(store: DocumentStore, modes: list[str], max_new_tokens: int = 6) -> tuple[list[list[int]], Scheduler]:
+    """Every question in each of ``modes`` submitted at once (admitted in one round) and answered by the scheduler."""
+    server = PromptServer(store=store)
+    requests = [server.rag_request(q, k=2, mode=m, max_new_tokens=max_new_tokens)[1] for m in modes for q in QUESTIONS]
+    scheduler = Scheduler(store.engine.lm)
+    try:
+        handles = scheduler.call(lambda: [scheduler.submit(r) for r in requests])  # all waiting at the next round
+        return [collect(h).token_ids for h in handles], scheduler
+    finally:
+        scheduler.close()
+
+
+def _alone(store: DocumentStore, mode: str, max_new_tokens: int = 6) -> list[list[int]]:
+    server = PromptServer(store=store)
+    return [server.answer(q, k=2, mode=mode, max_new_tokens=max_new_tokens).result.token_ids for q in QUESTIONS]
+
+
+@pytest.mark.parametrize("mode", ["fast", "naive", "selective", "edge", "selective+adapter"])
+def test_the_default_and_recovery_modes_decode_in_one_batch_as_alone(adapted: DocumentStore, mode: str) -> None:
+    together, scheduler = _together(adapted, [mode])
+    assert scheduler.served == {"batched": len(QUESTIONS)}  # none served alone
+    assert scheduler.widest_step == len(QUESTIONS)  # every request in one step
+    assert together == _alone(adapted, mode)
+
+
+def test_the_adapter_changes_the_answers(adapted: DocumentStore) -> None:
+    """Else the test above would not tell an adapted step from a plain one."""
+    assert _alone(adapted, "fast") != _alone(adapted, "prefix")
+
+
+def test_requests_under_different_adapters_decode_in_steps_of_their_own(adapted: DocumentStore) -> None:
+    together, scheduler = _together(adapted, ["prefix", "fast", "prefix+adapter"])
+    assert scheduler.served == {"batched": 3 * len(QUESTIONS)}
+    assert scheduler.widest_step == 2 * len(QUESTIONS)  # fast and prefix+adapter: one adapter, one context
+    assert together == _alone(adapted, "prefix") + _alone(adapted, "fast") + _alone(adapted, "prefix+adapter")
+
+
+def test_calibrated_attention_is_served_alone_as_before(adapted: DocumentStore) -> None:
+    """Calibration rescales attention to chunk keys through an attention kwarg the batched step does not take."""
+    together, scheduler = _together(adapted, ["prefix+ape"])
+    assert scheduler.served == {"alone": len(QUESTIONS)}
+    assert together == _alone(adapted, "prefix+ape")
 
 
 def _admitted(store: DocumentStore, mode: str) -> Scheduler:
