@@ -452,6 +452,8 @@ class Scheduler:
     def _step_batch(self) -> None:
         """One decode step of every live row: one batched forward per context the rows' calls run in (usually one),
         each inside its context; then every row's next token is sampled."""
+        if not self._rows:
+            return
         self.batch_steps += 1
         adapt_threads_at(self.batch_steps)
         groups: dict[object, list[_Live]] = {}

@@ -37,22 +37,15 @@ class _Flipping:
         return torch.get_num_threads()
 
 
-class _AdapterLike:
-    """Query calls with a context, as a splice adapter's: the scheduler serves such a request alone."""
+class _AloneCalls:
+    """Query calls with an attention keyword, as attention calibration's (``+ape``): the scheduler serves such a
+    request alone (``output_attentions=False`` changes nothing in the forward)."""
 
     def first(self, recomputed: object) -> ModelCall:
-        return ModelCall(context=lambda: _nothing())
+        return ModelCall(kwargs={"output_attentions": False})
 
     def later(self, recomputed: object) -> ModelCall:
-        return ModelCall(context=lambda: _nothing())
-
-
-class _nothing:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
+        return ModelCall(kwargs={"output_attentions": False})
 
 
 @pytest.fixture(scope="module")
@@ -95,14 +88,14 @@ def test_plain_requests_decode_batched_at_the_thread_pace_of_a_request_alone(kin
     assert steps == len(tokens) - 1 > 2 * threads.ADAPT_EVERY  # every token after the first: one batched step
     assert batched_looks >= 1 + steps // threads.ADAPT_EVERY  # at admission, then every ADAPT_EVERY steps
 
-    def adapter_like(server: PromptServer) -> Request:
+    def served_alone(server: PromptServer) -> Request:
         request = PLAIN[kind](server)
-        request.calls = _AdapterLike()  # as +rag's default mode with a splice adapter: decoded alone
+        request.calls = _AloneCalls()  # as a calibrated +rag mode: decoded alone
         return request
 
-    alone_tokens, alone_looks = _served(served, adapter_like, monkeypatch)
+    alone_tokens, alone_looks = _served(served, served_alone, monkeypatch)
     assert scheduler.batch_steps - steps_before == steps  # that one was not batched
-    assert batched_looks >= alone_looks  # a plain request suffers a busy machine no more than an adapter's
+    assert batched_looks >= alone_looks  # a plain request suffers a busy machine no more than one alone
     # nothing lost: the same greedy tokens as served alone without the scheduler, whatever the threads did
     reference = alone._backend.serve(PLAIN[kind](alone))
     "".join(reference)
