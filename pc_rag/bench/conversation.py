@@ -9,6 +9,7 @@ scheduler). ``python -m pc_rag.bench.conversation`` prints the table. This modul
 from __future__ import annotations
 
 import argparse
+import json
 import tempfile
 from pathlib import Path
 
@@ -65,5 +66,12 @@ def format_conversation(rows: list[dict[str, float]]) -> str:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--turns", type=int, default=10)
+    parser.add_argument("--json", type=Path, help="also write the rows, the machine and the commit here")
     args = parser.parse_args()
-    print(format_conversation(run_conversation_bench(load_model(), args.turns)))
+    result = run_conversation_bench(load_model(), args.turns)
+    print(format_conversation(result))
+    if args.json:
+        from pc_rag.bench.answer_time import machine
+        from pc_rag.bench.provenance import commit
+
+        args.json.write_text(json.dumps({"machine": machine(), "commit": commit(), "rows": result}, indent=1) + "\n")

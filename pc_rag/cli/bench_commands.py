@@ -8,12 +8,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from pc_rag.bench.provenance import commit
 from pc_rag.errors import PCRagError
 
 if TYPE_CHECKING:  # the model and the codec load only when a benchmark runs
@@ -158,17 +158,10 @@ def run_bench_load(args: argparse.Namespace) -> int:
     result.settings = {**sizes, "server_args": cli}
     print(format_result(result))
     if args.json:
-        out = {"machine": machine(), "commit": _commit(), "passed": result.passed, **asdict(result)}
+        out = {"machine": machine(), "commit": commit(), "passed": result.passed, **asdict(result)}
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(out, indent=1) + "\n")
     return 0 if result.passed else 1
-
-
-def _commit() -> str:
-    """The checkout's commit that this pc_rag runs from (empty when it is not in one), wherever the command runs."""
-    here = Path(__file__).resolve().parent
-    git = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=False, cwd=here)
-    return git.stdout.strip()
 
 
 def run_bench(args: argparse.Namespace, lm: LoadedModel) -> None:
@@ -280,7 +273,7 @@ def _run_answers(args: argparse.Namespace, engine: RagEngine, gguf: str | None) 
         print(f"{'met' if check['met'] else 'NOT MET':>7}  {check['name']}: {check['value']} {check['op']} "
               f"{check['threshold']}")  # fmt: skip
     if args.json:
-        out = {"machine": machine(), "commit": _commit(), "gates": checks, "summary": table,
+        out = {"machine": machine(), "commit": commit(), "gates": checks, "summary": table,
                "rows": [asdict(r) for r in rows]}  # fmt: skip
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(out, indent=1) + "\n")
