@@ -19,6 +19,12 @@ from pc_rag.server.prompt_server import PromptServer
 CLIENTS, LEAVING = 32, 8
 
 
+def leaves(i: int) -> bool:
+    """Every fourth client leaves mid-stream, spread over the submission order: the first few clients are the
+    ones admitted, and if all of them left no answer could complete (the test failed so in CI)."""
+    return i % (CLIENTS // LEAVING) == 1
+
+
 def test_concurrent_clients_get_answers_429s_or_leave_cleanly(tokenizer) -> None:
     lm = tiny_model("llama", tokenizer)
     scheduler = Scheduler(lm, max_batch=2, queue_limit=4)  # --max-concurrency 2
@@ -37,7 +43,7 @@ def test_concurrent_clients_get_answers_429s_or_leave_cleanly(tokenizer) -> None
                     if line == "data: [DONE]":
                         return "done"
                     events += line.startswith("data: ")
-                    if i < LEAVING and events == 3:
+                    if leaves(i) and events == 3:
                         return "left"  # closing the stream disconnects
                 return "cut"
 
