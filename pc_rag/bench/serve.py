@@ -53,6 +53,26 @@ SYSTEM = "You are a concise assistant. Answer the question from the passages."
 EVICT_BYTES = 128 << 20  # written before each timed attention call: several times a server CPU's last-level cache
 
 
+def asked_together(ask: Callable[[int], list[int]], count: int) -> tuple[list[list[int]], float]:
+    """``ask(0)`` ... ``ask(count - 1)`` on ``count`` threads released at once: their results and the wall seconds
+    from the release until the last is done."""
+    results: list[list[int]] = [[] for _ in range(count)]
+    ready = threading.Barrier(count + 1)
+
+    def run(i: int) -> None:
+        ready.wait()
+        results[i] = ask(i)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(count)]
+    for t in threads:
+        t.start()
+    ready.wait()
+    began = time.perf_counter()
+    for t in threads:
+        t.join()
+    return results, time.perf_counter() - began
+
+
 @dataclass
 class ServeResult:
     concurrency: int
@@ -101,7 +121,6 @@ def serve_benchmark(
     """See the module docstring; ``scheduler.max_batch`` requests at once."""
     concurrency = scheduler.max_batch
     prompts = scheduler.call(lambda: _workload(pc, concurrency, shared_tokens))
-    results: list[list[int]] = [[] for _ in prompts]
     # one at a time, as ``generate`` serves without the scheduler, but on its worker thread: one thread drives
     # torch's CPU threads in both runs (see ``Scheduler.call``)
     scheduler.call(lambda: pc.generate(prompts[0], max_new_tokens=2))  # warm-up: worker thread, first buffers
@@ -111,20 +130,9 @@ def serve_benchmark(
     # warm-up of the batched paths at full concurrency: every batch size the timed run meets is met here first
     for handle in [scheduler.submit(pc.request(p, max_new_tokens=2)) for p in prompts]:
         collect(handle)
-    ready = threading.Barrier(concurrency + 1)
-
-    def ask(i: int) -> None:
-        ready.wait()
-        results[i] = collect(scheduler.submit(pc.request(prompts[i], max_new_tokens=new_tokens))).token_ids
-
-    threads = [threading.Thread(target=ask, args=(i,)) for i in range(concurrency)]
-    for t in threads:
-        t.start()
-    ready.wait()
-    began = time.perf_counter()
-    for t in threads:
-        t.join()
-    together_s = time.perf_counter() - began
+    results, together_s = asked_together(
+        lambda i: collect(scheduler.submit(pc.request(prompts[i], max_new_tokens=new_tokens))).token_ids, concurrency
+    )
     served_alone = [collect(scheduler.submit(pc.request(p, max_new_tokens=new_tokens))).token_ids for p in prompts]
     generated = sum(len(r.token_ids) for r in alone)
     tokens_per_s, single = generated / together_s, generated / single_s

@@ -16,6 +16,7 @@ import threading
 import time
 from dataclasses import dataclass
 
+from pc_rag.bench.serve import asked_together
 from pc_rag.hotpotqa_sample import sample_questions
 from pc_rag.runtime.scheduler import Scheduler
 from pc_rag.server.prompt_server import PromptServer
@@ -70,21 +71,9 @@ def rag_serve_benchmark(
     for t in warm:
         t.join()
     served, scheduler.widest_step = dict(scheduler.served), 0
-    results: list[list[int]] = [[] for _ in questions]
-    ready = threading.Barrier(concurrency + 1)
-
-    def ask(i: int) -> None:
-        ready.wait()
-        results[i] = scheduled.answer(questions[i], k=k, max_new_tokens=new_tokens).result.token_ids
-
-    threads = [threading.Thread(target=ask, args=(i,)) for i in range(concurrency)]
-    for t in threads:
-        t.start()
-    ready.wait()
-    began = time.perf_counter()
-    for t in threads:
-        t.join()
-    together_s = time.perf_counter() - began
+    results, together_s = asked_together(
+        lambda i: scheduled.answer(questions[i], k=k, max_new_tokens=new_tokens).result.token_ids, concurrency
+    )
     generated = sum(len(ids) for ids in alone)
     tokens_per_s, single = generated / together_s, generated / single_s
     batched = scheduler.served["batched"] - served.get("batched", 0)
