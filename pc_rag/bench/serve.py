@@ -38,7 +38,7 @@ from pc_rag.engine import PromptCache
 from pc_rag.hotpotqa_sample import sample_questions
 from pc_rag.kv import kv_shape
 from pc_rag.pml.nodes import Import, Module, Prompt, Role, Schema, Text
-from pc_rag.runtime.decode_step import decode_attention
+from pc_rag.runtime.decode_step import cache_attention
 from pc_rag.runtime.generate import collect
 from pc_rag.runtime.partition_attention import (
     SharedRun,
@@ -225,15 +225,14 @@ def _contenders(
     def decode_each() -> None:  # what serving each request on its own does today
         for b in range(concurrency):
             k, v = duplicated_k[b : b + 1], duplicated_v[b : b + 1]
-            decode_attention(rows_q[b : b + 1], k[:, :, -1:], v[:, :, -1:], k[:, :, :-1], v[:, :, :-1], scale)
+            cache_attention(rows_q[b : b + 1], k, v, scale)
 
     alone_k = duplicated_k[:1].contiguous()
     alone_v = duplicated_v[:1].contiguous()
     q1 = query[:1, :, None]  # [1, H, 1, D]
-    own_k, own_v = alone_k[:, :, -1:], alone_v[:, :, -1:]
 
     def today() -> None:
-        decode_attention(q1, own_k, own_v, alone_k[:, :, :-1], alone_v[:, :, :-1], scale)
+        cache_attention(q1, alone_k, alone_v, scale)
 
     one_mask = private_mask(torch.tensor([alone_k.shape[2]]), alone_k.shape[2], dtype)
 

@@ -105,7 +105,7 @@ class DecodeStep:
 
     One token (plain decoding) and a token followed by drafts (speculative decoding) run the same shapes: the rows
     are padded to ``STEP_ROWS`` and row ``t`` attends to the cache and rows ``< t`` through the same
-    ``decode_attention`` call as a one-token step at that length, so a row's logits are bit-identical either way.
+    ``cache_attention`` call as a one-token step at that length, so a row's logits are bit-identical either way.
     """
 
     def __init__(self, model: PreTrainedModel) -> None:
@@ -162,41 +162,27 @@ class DecodeStep:
             layer_keys[0, :, length : length + count] = k[:count, :, 0].transpose(0, 1)
             layer_values[0, :, length : length + count] = v[:count, :, 0].transpose(0, 1)
             scale = layer.layer.self_attn.scaling
-            attended = [  # row t as a one-token step after the cache and rows < t
-                decode_attention(
-                    q[t : t + 1],
-                    k[t : t + 1],
-                    v[t : t + 1],
-                    layer_keys[:, :, : length + t],
-                    layer_values[:, :, : length + t],
-                    scale,
-                )
+            attended = [  # row t as a one-token step: the cache up to and including its own slot
+                cache_attention(q[t : t + 1], layer_keys[:, :, : length + t + 1], layer_values[:, :, : length + t + 1],
+                                scale)
                 for t in range(count)
-            ]
+            ]  # fmt: skip
             attended += attended[:1] * (x.shape[0] - count)
             x = layer.finish(x, torch.cat(attended))
         return self._model.lm_head(rms_norm(decoder.norm, x))[:count, -1]
 
 
-def decode_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float
-) -> torch.Tensor:
-    """Grouped-query attention of the new token over the cache and itself: ``q`` [1, H, 1, D], ``k``/``v``
-    [1, H_kv, 1, D], cached ``keys``/``values`` [1, H_kv, S, D]; returns [1, 1, H * D].
+def cache_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
+    """Grouped-query attention of one new token over the cache that already holds its key and value: ``q``
+    [1, H, 1, D], ``keys``/``values`` [1, H_kv, S, D] (a view of the buffer, read in place); returns [1, 1, H * D].
 
-    On the CPU one flash pass over the cache (heads folded: query head h = g * n_rep + r reads KV head g)
-    returns its log-sum-exp, and the new key's own score is merged in: the cache is read once and never
-    copied. Elsewhere SDPA over the cache and the new key."""
+    The query heads are folded onto their KV head (query head h = g * n_rep + r reads KV head g), so the cache is
+    never repeated. On the CPU this is one flash pass (no mask: the token sees every slot given)."""
     folded = q.reshape(1, keys.shape[1], -1, q.shape[-1])  # [1, H_kv, n_rep, D]
-    if FLASH_CPU is not None and q.device.type == "cpu" and keys.shape[2] > 0:
-        out, lse = FLASH_CPU(folded, keys, values, scale=scale)
-        own = (folded.float() * k.float()).sum(-1) * scale  # [1, H_kv, n_rep]
-        share = torch.sigmoid(lse - own).unsqueeze(-1)  # the cache's part of the softmax mass
-        out = torch.lerp(v.float().expand_as(out), out.float(), share).to(q.dtype)  # rounded once, as SDPA does
+    if FLASH_CPU is not None and q.device.type == "cpu":
+        out = FLASH_CPU(folded, keys, values, scale=scale)[0]
     else:
-        out = F.scaled_dot_product_attention(
-            folded, torch.cat([keys, k], dim=2), torch.cat([values, v], dim=2), scale=scale
-        )
+        out = F.scaled_dot_product_attention(folded, keys, values, scale=scale)
     return out.reshape(1, 1, -1)
 
 
