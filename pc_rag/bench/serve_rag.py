@@ -12,7 +12,6 @@ alone, and the most rows one decode step ran. This module knows nothing about HT
 
 from __future__ import annotations
 
-import threading
 import time
 from dataclasses import dataclass
 
@@ -64,12 +63,9 @@ def rag_serve_benchmark(
         for q in questions
     ]
     single_s = time.perf_counter() - began
-    short = {"k": k, "max_new_tokens": 2}
-    warm = [threading.Thread(target=scheduled.answer, args=(q,), kwargs=short) for q in questions]
-    for t in warm:  # warm-up of the batched paths at full concurrency
-        t.start()
-    for t in warm:
-        t.join()
+    asked_together(  # warm-up of the batched paths at full concurrency
+        lambda i: scheduled.answer(questions[i], k=k, max_new_tokens=2).result.token_ids, concurrency
+    )
     served, scheduler.widest_step = dict(scheduler.served), 0
     results, together_s = asked_together(
         lambda i: scheduled.answer(questions[i], k=k, max_new_tokens=new_tokens).result.token_ids, concurrency

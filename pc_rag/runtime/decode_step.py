@@ -162,11 +162,11 @@ class DecodeStep:
             layer_keys[0, :, length : length + count] = k[:count, :, 0].transpose(0, 1)
             layer_values[0, :, length : length + count] = v[:count, :, 0].transpose(0, 1)
             scale = layer.layer.self_attn.scaling
-            attended = [  # row t as a one-token step: the cache up to and including its own slot
-                cache_attention(q[t : t + 1], layer_keys[:, :, : length + t + 1], layer_values[:, :, : length + t + 1],
-                                scale)
-                for t in range(count)
-            ]  # fmt: skip
+            seen = [length + t + 1 for t in range(count)]  # row t as a one-token step: the cache through its slot
+            attended = [
+                cache_attention(q[t : t + 1], layer_keys[:, :, :end], layer_values[:, :, :end], scale)
+                for t, end in enumerate(seen)
+            ]
             attended += attended[:1] * (x.shape[0] - count)
             x = layer.finish(x, torch.cat(attended))
         return self._model.lm_head(rms_norm(decoder.norm, x))[:count, -1]
