@@ -3,8 +3,10 @@
 Row ``b`` of ``keys``/``values`` ``[L, rows, H_kv, capacity, D]`` holds ``lengths[b]`` entries: what no other
 request shares (the tokens computed for this request, spans its recovery changed, the tokens it generated).
 Rows ``0..active-1`` are live; when a sequence finishes, the last live row moves into its place, so a decode
-step reads one block ``[:active]``. The capacity grows (a copy) when a row would overflow. This module knows
-nothing about models or requests.
+step reads one block ``[:active]``. The capacity grows when a row would overflow: a copy of the live rows only, so
+that one long request served alone does not pay for every row (a 16-row float32 arena at 2K is 1.9 GB). Every
+entry of a live row holds a finite number (padding enters attention with weight 0, and 0 times NaN is NaN): fresh
+memory is zeroed when a row is admitted into it. This module knows nothing about models or requests.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ class PrivateArena:
         self.values = torch.zeros(shape, dtype=dtype, device=device)
         self.lengths = torch.zeros(rows, dtype=torch.long, device=device)
         self.host_lengths = [0] * rows  # the same on the host: bookkeeping reads it without a device sync
+        self.finite = [True] * rows  # whether every entry of the row is a finite number (fresh memory may not be)
         self.active = 0
 
     @property
@@ -48,6 +51,10 @@ class PrivateArena:
         row = self.active
         self.keys[:, row, :, :n] = keys
         self.values[:, row, :, :n] = values
+        if not self.finite[row]:
+            self.keys[:, row, :, n:] = 0
+            self.values[:, row, :, n:] = 0
+            self.finite[row] = True
         self.lengths[row] = self.host_lengths[row] = n
         self.active += 1
         return row
@@ -84,13 +91,15 @@ class PrivateArena:
         needed = max(self.host_lengths[: self.active], default=0) + tokens
         if needed <= self.capacity:
             return
-        capacity = _rounded(max(needed, 2 * self.capacity))
+        capacity, live, before = _rounded(max(needed, 2 * self.capacity)), self.active, self.capacity
         for name in ("keys", "values"):
             old = getattr(self, name)
             with torch.inference_mode(False):  # a normal tensor, whether or not the caller is in inference mode
-                new = old.new_zeros(*old.shape[:3], capacity, old.shape[4])
-            new[:, :, :, : old.shape[3]] = old
+                new = old.new_empty(*old.shape[:3], capacity, old.shape[4])
+            new[:, :live, :, :before] = old[:, :live]
+            new[:, :live, :, before:] = 0
             setattr(self, name, new)
+        self.finite[live:] = [False] * (self.rows - live)
 
 
 def _rounded(capacity: int) -> int:

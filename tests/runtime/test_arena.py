@@ -44,3 +44,20 @@ def test_rows_grown_during_inference_take_writes_outside_it():
         arena.reserve(CAPACITY_STEP + 1)
     arena.admit(*_rows(1, 5, 1))  # an admission outside inference mode writes into them
     assert arena.lengths.tolist() == [10, 5]
+
+
+def test_growing_copies_only_the_live_rows_and_a_row_admitted_into_fresh_memory_is_finite(monkeypatch):
+    arena = PrivateArena(2, 3, 4, rows=3, capacity=8)
+    first = _rows(1, 10, 0)
+    arena.admit(*first)
+    real_new_empty = torch.Tensor.new_empty
+    monkeypatch.setattr(torch.Tensor, "new_empty", lambda t, *shape: real_new_empty(t, *shape).fill_(float("nan")))
+    arena.reserve(2 * CAPACITY_STEP)  # fresh memory here reads NaN, as uninitialized memory may
+    assert arena.capacity >= 2 * CAPACITY_STEP + 10
+    assert arena.keys[:, 1:].isnan().all()  # rows that were not live were not copied
+    torch.testing.assert_close(arena.keys[:, 0, :, :10], first[0], rtol=0, atol=0)
+    assert arena.keys[:, 0].isfinite().all() and arena.values[:, 0].isfinite().all()
+    second = _rows(1, 7, 1)
+    assert arena.admit(*second) == 1
+    assert arena.keys[:, 1].isfinite().all() and arena.values[:, 1].isfinite().all()
+    assert not arena.keys[:, 1, :, 7:].any()
