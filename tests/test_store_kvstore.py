@@ -105,6 +105,24 @@ def test_a_flipped_byte_is_detected_and_the_shard_named(tmp_path) -> None:
         store.verify()
 
 
+def test_open_shards_verifies_every_shard_once_before_any_read(tmp_path, monkeypatch) -> None:
+    from pc_rag.store import kvstore
+
+    KVStore(tmp_path).put_many({1: span(1)})
+    KVStore(tmp_path).put_many({2: span(2)})
+    gone, kept = shard_files(tmp_path)
+    (tmp_path / "kv" / gone).unlink()
+    hashed: list[str] = []
+    real_sha256 = kvstore.sha256_file
+    monkeypatch.setattr(kvstore, "sha256_file", lambda path: hashed.append(path.name) or real_sha256(path))
+    store = KVStore(tmp_path)
+    (problem,) = store.open_shards()  # the missing shard, named; the other one opened
+    assert gone in problem and "missing" in problem
+    assert hashed == [kept]
+    assert_same(store.get(2), span(2))
+    assert hashed == [kept]  # the read paid no checksum: it was verified when opened
+
+
 def test_a_missing_shard_is_named(tmp_path) -> None:
     store = KVStore(tmp_path)
     store.put_many({1: span(1)})

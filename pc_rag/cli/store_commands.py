@@ -222,6 +222,7 @@ def serve(lm: LoadedModel, store_dir: Path, *, host: str, port: int, mode: str |
     from pc_rag.runtime.prefix_cache import PrefixCache
     from pc_rag.runtime.scheduler import Scheduler
     from pc_rag.server.http import create_app
+    from pc_rag.store.chunk_kv import open_chunk_shards
 
     store = DocumentStore.load(store_dir, engine_for(lm), **module_options)
     store.check_mode(mode)  # a store its mode cannot read is refused now, not at every request
@@ -232,8 +233,19 @@ def serve(lm: LoadedModel, store_dir: Path, *, host: str, port: int, mode: str |
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="info"))
     key = "an API key" if api_key else "no API key"
     print(f"serving {store_dir} ({len(store)} chunks, {lm.name}) on http://{host}:{port}/v1 ({key})")
+
+    def warm_then_serve() -> None:
+        for problem in open_chunk_shards(store.kv):  # a shard's checksum, read once, is not a request's to pay
+            print(f"warning: {problem}", file=sys.stderr)
+        if len(store):  # nor are the cold process's first calls
+            try:
+                served.answer_chat([("user", "What is this about?")], k=min(3, len(store)), max_new_tokens=2)
+            except PCRagError as e:  # the requests will say it again, each to its client
+                print(f"warning: the warm-up request failed: {e}", file=sys.stderr)
+        server.run()
+
     try:
-        scheduler.run(server.run)
+        scheduler.run(warm_then_serve)
     except KeyboardInterrupt:
         server.should_exit = True
 

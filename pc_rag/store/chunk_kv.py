@@ -58,3 +58,9 @@ def open_chunk_kv(
         backend, manifest, manifest.identity.model_fingerprint, module_encoding(manifest.identity, storage),
         dtype=storage, compute_dtype=compute_dtype, codec=codec, levels=manifest.codec_levels, lru_bytes=lru_bytes,
     )  # fmt: skip
+
+
+def open_chunk_shards(kv: ChunkKV) -> list[str]:
+    """Verify a store's own shards now (``KVStore.open_shards``), so that no request pays a shard's checksum on
+    its first read; a line per shard that cannot be opened. A module store has no shards here: nothing to do."""
+    return kv.open_shards() if isinstance(kv, KVStore) else []

@@ -208,6 +208,19 @@ class KVStore:
         if self._owns_manifest:
             remove_unlisted(self.directory, self.manifest.listed_files())
 
+    def open_shards(self) -> list[str]:
+        """Open (and so verify) every shard now rather than at its first read, on as many threads as torch uses;
+        a line per shard that cannot be opened (its reads will raise it again)."""
+
+        def problem(name: str) -> str | None:
+            try:
+                self._open(name)
+            except StoreCorruptedError as e:
+                return str(e)
+            return None
+
+        return [p for p in map_threads(problem, list(self.manifest.shards), "pc-rag-open") if p]
+
     def get(self, chunk_id: int, level: int | None = None) -> SpanKV:
         """The span of ``chunk_id`` on ``device`` in ``compute_dtype``; ``KeyError`` if absent.
 
