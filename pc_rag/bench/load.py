@@ -207,28 +207,50 @@ def serve_sample(
     """A store of the bundled HotpotQA sample's first ``documents`` passages, served by ``pc-rag serve`` in a
     subprocess on a free loopback port until the block ends: yields (its URL, its pid). ``cli_args``: the global
     options both commands get (``--model``, ``--dtype``, ``--threads``); their output goes to ``log``."""
+    limits = ["--max-concurrency", str(max_concurrency), "--queue-limit", str(queue_limit)]
+    log.write_text("")  # this run's output only
+    with sample_store(cli_args, documents=documents, log=log) as store, serve_store(cli_args, store, limits, log) as up:
+        yield up
+
+
+@contextmanager
+def sample_store(cli_args: Sequence[str], *, documents: int, log: Path) -> Iterator[Path]:
+    """A temporary store of the bundled HotpotQA sample's first ``documents`` passages, indexed by ``pc-rag index``
+    in a subprocess (its output goes to ``log``), until the block ends."""
     sample = files("pc_rag").joinpath("data/hotpotqa_sample.jsonl")
-    cli = [sys.executable, "-m", "pc_rag.cli", *cli_args]
-    with tempfile.TemporaryDirectory(prefix="pc-rag-load-") as tmp, log.open("w") as out:
+    with tempfile.TemporaryDirectory(prefix="pc-rag-load-") as tmp, log.open("a") as out:
         store = Path(tmp) / "store"
-        index = [*cli, "index", "--store", str(store), "--limit", str(documents), str(sample)]
+        index = [*_cli(cli_args), "index", "--store", str(store), "--limit", str(documents), str(sample)]
         if subprocess.run(index, stdout=out, stderr=subprocess.STDOUT, check=False).returncode:
             raise PCRagError(f"indexing the bundled sample failed: {' '.join(index)} (see {log})")
-        port = _free_port()
-        serve = [*cli, "serve", "--store", str(store), "--port", str(port), "--max-concurrency",
-                 str(max_concurrency), "--queue-limit", str(queue_limit)]  # fmt: skip
+        yield store
+
+
+@contextmanager
+def serve_store(
+    cli_args: Sequence[str], store: Path, serve_args: Sequence[str], log: Path
+) -> Iterator[tuple[str, int]]:
+    """``pc-rag serve --store store *serve_args`` in a subprocess on a free loopback port, once it answers
+    ``/health``, until the block ends: yields (its URL, its pid). Its output is appended to ``log``."""
+    port = _free_port()
+    serve = [*_cli(cli_args), "serve", "--store", str(store), "--port", str(port), *serve_args]
+    with log.open("a") as out:
         server = subprocess.Popen(serve, stdout=out, stderr=subprocess.STDOUT)
-        url = f"http://127.0.0.1:{port}"
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_healthy(url, server, timeout_s=600, log=log)
+        yield url, server.pid
+    finally:
+        server.terminate()
         try:
-            _wait_healthy(url, server, timeout_s=600, log=log)
-            yield url, server.pid
-        finally:
-            server.terminate()
-            try:
-                server.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                server.kill()
-                server.wait()
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
+
+
+def _cli(cli_args: Sequence[str]) -> list[str]:
+    return [sys.executable, "-m", "pc_rag.cli", *cli_args]
 
 
 def _free_port() -> int:

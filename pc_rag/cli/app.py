@@ -124,6 +124,8 @@ def _run(args: argparse.Namespace) -> int:
         return bench_commands.run_bench_gpu(args)
     if args.command == "bench" and args.kind == "load":  # the server it loads runs in a subprocess
         return bench_commands.run_bench_load(args)
+    if args.command == "bench" and args.kind == "conversation":  # so do its servers
+        return bench_commands.run_bench_conversation(args)
     from pc_rag.model import DEFAULT_MODEL, load_model
 
     if args.command == "bench":

@@ -94,6 +94,13 @@ def add_parser(commands: argparse._SubParsersAction, positive: Callable[[str], i
     load.add_argument("--deadline", type=positive, default=900, help="seconds the clients may take (default 900)")
     load.add_argument("--log", type=Path, default=Path("bench-load-server.log"), help="the server's output")
     load.add_argument("--json", type=Path, default=None, help="write outcomes, RSS, machine and commit as JSON here")
+    talk = bench_kinds.add_parser(
+        "conversation", help="TTFT per turn of a +rag conversation over HTTP (openai client), history cache on and off"
+    )
+    talk.add_argument("--turns", type=positive, default=10, help="user turns (default 10)")
+    talk.add_argument("--max-tokens", type=positive, default=16, help="tokens asked per turn (default 16)")
+    talk.add_argument("--log", type=Path, default=Path("bench-conversation-server.log"), help="the servers' output")
+    talk.add_argument("--json", type=Path, default=None, help="write the rows, machine and commit as JSON here")
     scale = bench_kinds.add_parser("scaleout", help="encoding on Ray actors and TTFT from Redis, against local")
     scale.add_argument("--dataset", type=Path, required=True, help="multi-doc QA JSONL whose passages are indexed")
     scale.add_argument("--passages", type=positive, default=600, help="distinct passages to index (default 600)")
@@ -150,7 +157,7 @@ def run_bench_load(args: argparse.Namespace) -> int:
 
     if not 0 <= args.leaving <= args.clients:
         raise PCRagError(f"--leaving {args.leaving} must be between 0 and --clients {args.clients}")
-    cli = [f"--device={args.device}", *(f"--{k}={v}" for k in ("model", "dtype", "threads") if (v := getattr(args, k)))]
+    cli = server_cli(args)
     plan = LoadPlan(args.clients, args.leaving, args.max_tokens, float(args.deadline))
     sizes = {"max_concurrency": args.max_concurrency, "queue_limit": args.queue_limit, "documents": args.documents}
     with serve_sample(cli, log=args.log, **sizes) as (url, pid):
@@ -162,6 +169,29 @@ def run_bench_load(args: argparse.Namespace) -> int:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(out, indent=1) + "\n")
     return 0 if result.passed else 1
+
+
+def run_bench_conversation(args: argparse.Namespace) -> int:
+    """``bench conversation``: the servers run in subprocesses (this one loads no model). Exit 0 when the cached
+    turn 10 kept within 1.5x of turn 1 and every turn answered with sources."""
+    from pc_rag.bench.answer_time import machine
+    from pc_rag.bench.conversation import format_conversation_run, run_http_conversation
+
+    run = run_http_conversation(server_cli(args), turns=args.turns, new_tokens=args.max_tokens, log=args.log)
+    print(format_conversation_run(run))
+    if args.json:
+        ratios = {"cache_ratio": run.ratio("cache"), "no_cache_ratio": run.ratio("no_cache")}
+        out = {"machine": machine(), "commit": commit(), "server_args": server_cli(args), "passed": run.passed}
+        out |= ratios | {"rows": run.rows}
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(out, indent=1) + "\n")
+    return 0 if run.passed else 1
+
+
+def server_cli(args: argparse.Namespace) -> list[str]:
+    """The global options a server subprocess gets from this command's: device, model, dtype, threads."""
+    named = (f"--{k}={v}" for k in ("model", "dtype", "threads") if (v := getattr(args, k)))
+    return [f"--device={args.device}", *named]
 
 
 def run_bench(args: argparse.Namespace, lm: LoadedModel) -> None:

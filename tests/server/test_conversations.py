@@ -98,3 +98,18 @@ def test_a_follow_up_is_searched_with_the_turn_it_refers_to() -> None:
     assert not refers_back("Where was Andrew Johnson born and raised?")
     standalone = [*turns[:2], ("user", "Where was Andrew Johnson born and raised?")]
     assert standalone_query(standalone) == standalone[-1][1]
+
+
+def test_the_conversation_bench_client_answers_every_turn_with_sources_and_cached_tokens(served) -> None:
+    """``pc-rag bench conversation``'s client (``converse``) against a live server: each turn streams tokens and
+    lists its sources; given the first run's replies as history, a second run answers the same."""
+    from pc_rag.bench.conversation import converse
+
+    client, _, _ = served
+    url = str(client.base_url).rstrip("/").removesuffix("/v1")
+    first = converse(url, QUESTIONS, new_tokens=4, k=2)
+    assert [t.sources for t in first] == [2, 2, 2]
+    assert all(t.ttft_ms > 0 and t.text and t.cached_tokens > 0 for t in first)
+    again = converse(url, QUESTIONS, [t.text.strip() or "I do not know." for t in first], new_tokens=4, k=2)
+    assert [t.text for t in again] == [t.text for t in first]
+    assert [t.prompt_tokens for t in again] == [t.prompt_tokens for t in first]
