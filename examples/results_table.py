@@ -297,6 +297,17 @@ def scaleout_table(runs: list[Row]) -> str:
     return markdown(head, encode) + "\n\n" + markdown(head2, rows)
 
 
+def conversation_table(run: Row) -> str:
+    """Markdown: one row per turn of `pc-rag bench conversation`: prompt tokens, streamed TTFT and cached tokens
+    without and with the history cache, and the sources listed."""
+    head = ["turn", "prompt tokens", "TTFT no cache (ms)", "TTFT cache (ms)", "cached tokens (no cache / cache)",
+            "sources"]  # fmt: skip
+    rows = [[str(r["turn"]), str(r["prompt_tokens"]), f"{r['no_cache_ttft_ms']:,.0f}", f"{r['cache_ttft_ms']:,.0f}",
+             f"{r['no_cache_cached']} / {r['cache_cached']}", str(r["cache_sources"])]
+            for r in run["rows"]]  # fmt: skip
+    return markdown(head, rows)
+
+
 def ttft_table(rows: list[Row]) -> str:
     """Markdown: one row per context length of `pc-rag bench ttft`: full-prefill and cached TTFT, the floor (the
     question's forward alone on a spliced cache), the speedup and cached TTFT over the floor."""
@@ -350,6 +361,8 @@ def render(loaded: list[Any], args: argparse.Namespace) -> str:
         from pc_rag.bench.gpu import format_gates
 
         return "\n\n".join(format_gates(d).split("\n", 2)[2] for d in loaded)  # the table, without its title
+    if all(isinstance(d, dict) and "cache_ratio" in d for d in loaded):  # bench conversation
+        return "\n\n".join(conversation_table(d) for d in loaded)
     if all(isinstance(d, dict) and d.get("rows") for d in loaded):  # script rows: codec_allocation or oracle sweep
         rows = [row for d in loaded for row in d["rows"]]
         return allocation_table(rows) if all("allocation" in d["rows"][0] for d in loaded) else oracle_table(rows)
