@@ -113,10 +113,19 @@ def test_serve_answers_a_rag_request(home, store, capsys, monkeypatch) -> None:
         with TestClient(server.config.app) as client:
             replies.append(client.post("/v1/rag", json={"question": "Where is Fuji?", "k": 2, "max_tokens": 2}))
 
-    monkeypatch.setattr(uvicorn.Server, "run", one_request)
+    from pc_rag.server.prompt_server import PromptServer
+    from pc_rag.store import chunk_kv
+
+    before: list[str] = []  # what ran before the server listened
+    opened = chunk_kv.open_chunk_shards
+    monkeypatch.setattr(chunk_kv, "open_chunk_shards", lambda kv: before.append("shards") or opened(kv))
+    answer_chat = PromptServer.answer_chat
+    monkeypatch.setattr(PromptServer, "answer_chat", lambda *a, **kw: before.append("warm-up") or answer_chat(*a, **kw))
+    monkeypatch.setattr(uvicorn.Server, "run", lambda server: (before.append("listen"), one_request(server)))
     out, _ = run(home, capsys, "serve", "--store", str(store), "--port", "1")
     assert "serving" in out and replies[0].status_code == 200, replies[0].text
     assert len(replies[0].json()["sources"]) == 2
+    assert before == ["shards", "warm-up", "listen"]
 
 
 def test_serve_asks_the_key_from_the_environment(home, store, capsys, monkeypatch) -> None:
