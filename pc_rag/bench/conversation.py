@@ -14,11 +14,14 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pc_rag.bench.load import sample_store, serve_store
 from pc_rag.errors import PCRagError
 from pc_rag.hotpotqa_sample import sample_questions
+
+if TYPE_CHECKING:
+    from openai import OpenAI
 
 SYSTEM = "You are a helpful assistant. Answer briefly from the documents."
 RUNS = (("no_cache", ["--prefix-cache-mb", "0"]), ("cache", []))  # no cache first: its replies are the history
@@ -88,22 +91,22 @@ def converse(
 ) -> list[Turn]:
     """Ask ``questions`` in turn of the ``+rag`` model at ``url`` under ``SYSTEM``, each after the whole history;
     the assistant turns are the replies given, or (``replies`` None) the server's own."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=600)
+    model = next(m.id for m in client.models.list().data if m.id.endswith("+rag"))
     history: list[dict[str, str]] = [{"role": "system", "content": SYSTEM}]
     said = []
     for i, question in enumerate(questions):
         history.append({"role": "user", "content": question})
-        said.append(_ask(url, history, new_tokens, k))
+        said.append(_ask(client, model, history, new_tokens, k))
         reply = replies[i] if replies is not None else said[-1].text.strip() or "I do not know."
         history.append({"role": "assistant", "content": reply})
     return said
 
 
-def _ask(url: str, messages: list[dict[str, str]], new_tokens: int, k: int) -> Turn:
+def _ask(client: OpenAI, model: str, messages: list[dict[str, str]], new_tokens: int, k: int) -> Turn:
     """One streamed ``+rag`` turn through the ``openai`` client."""
-    from openai import OpenAI
-
-    client = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=600)
-    model = next(m.id for m in client.models.list().data if m.id.endswith("+rag"))
     began = time.perf_counter()
     stream = client.chat.completions.create(
         model=model, messages=messages, max_tokens=new_tokens, temperature=0, stream=True,  # type: ignore[arg-type]
@@ -120,7 +123,8 @@ def _ask(url: str, messages: list[dict[str, str]], new_tokens: int, k: int) -> T
                 ttft_ms = ttft_ms if ttft_ms is not None else (time.perf_counter() - began) * 1000
                 text.append(choice.delta.content)
     if ttft_ms is None or usage is None:
-        raise PCRagError(f"{url}: a +rag turn streamed no token or no usage (turn of {len(messages)} messages)")
+        msg = f"{client.base_url}: a +rag turn streamed no token or no usage (turn of {len(messages)} messages)"
+        raise PCRagError(msg)
     details = usage.prompt_tokens_details
     cached = details.cached_tokens if details is not None and details.cached_tokens is not None else 0
     return Turn(ttft_ms, "".join(text), sources, usage.prompt_tokens, cached)
