@@ -19,6 +19,10 @@ ROOT = Path(__file__).parents[1]
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
 
 
+def ignore_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 @pytest.mark.parametrize(
     ("only", "cut"),
     [("fidelity,ttft", "ttft"), ("fidelity,serving", "serving")],  # serving: a driver thread is left waiting
@@ -27,7 +31,10 @@ def test_sigint_in_a_section_keeps_those_before_and_exits_130(tmp_path: Path, on
     out = tmp_path / "gpu_tiny.json"
     argv = [sys.executable, "-m", "pc_rag.cli", "--device", "cpu", "bench", "gpu", "--shape", "tiny", "--tokenizer",
             str(TOKENIZER), "--only", only, "--runs", "100000", "--json", str(out)]  # fmt: skip
-    process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV, cwd=ROOT)
+    process = subprocess.Popen(
+        argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV, cwd=ROOT,
+        preexec_fn=ignore_sigint,  # as a shell starts a background job: the bench must still honour SIGINT
+    )  # fmt: skip
     assert process.stdout is not None
     for line in process.stdout:  # ttft never ends at 100,000 runs: the SIGINT must end it
         if line.startswith(f"== {cut}"):

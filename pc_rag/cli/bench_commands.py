@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -127,6 +128,9 @@ def run_bench_gpu(args: argparse.Namespace) -> int:
     """Exit 0, or 130 when a SIGINT (``timeout -s INT``) cut the run; the JSON is rewritten after every section."""
     from pc_rag.bench.gpu import default_tokenizer_dir, format_gates, run_gpu_bench
 
+    # a shell starts background jobs with SIGINT ignored, and Python then installs no handler: the run would
+    # ignore timeout's SIGINT and lose its current section to the kill that follows
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     only = [s.strip() for s in args.only.split(",") if s.strip()] if args.only else None
     tokenizer = args.tokenizer or default_tokenizer_dir()
     path: Path | None = args.json
