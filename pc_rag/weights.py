@@ -77,6 +77,26 @@ def apply_compute_dtype(model: nn.Module, compute: ComputeDtype) -> nn.Module:
     return model.to(compute.activations)  # norms, embeddings and biases; quantized buffers keep their dtypes
 
 
+def _native_bfloat16() -> bool:
+    """Whether this CPU multiplies bfloat16 in hardware (AVX-512 BF16 or AMX); without it oneDNN emulates a
+    bfloat16 GEMM at about a third of float32's speed (2-core Cascade Lake: 91 against 30 ms for 1,500 x 576 x
+    1,536)."""
+    probes = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+    return any(getattr(torch.cpu, probe, lambda: False)() for probe in probes)
+
+
+NATIVE_BFLOAT16 = _native_bfloat16()
+
+
+def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear``; for bfloat16 on a CPU without bfloat16 arithmetic, computed in float32 and rounded once to
+    bfloat16. The products of bfloat16 values are exact in float32 and a bfloat16 GEMM accumulates in float32
+    too, so only the order of the sums differs; prefill runs about 3x faster there."""
+    if x.dtype != torch.bfloat16 or x.device.type != "cpu" or NATIVE_BFLOAT16:
+        return F.linear(x, weight, bias)
+    return F.linear(x.float(), weight.float(), None if bias is None else bias.float()).to(x.dtype)
+
+
 # Up to this many rows (decoding) the fused kernels win; beyond, the dense GEMM does. The two paths round
 # differently, so a batched step's row gets the bits it gets alone only while both have at most this many rows
 # (runtime.batch_step)
@@ -102,7 +122,7 @@ class QuantizedLinear(nn.Module, ABC):
         tensors = self.kernel_tensors()
         rows = x.numel() // self.in_features
         if tensors is None or rows > KERNEL_ROWS or x.device.type != "cpu" or x.dtype != torch.bfloat16:
-            return F.linear(x, self.weight, self.bias)
+            return dense_linear(x, self.weight, self.bias)
         return _kernel_call(type(self).matmul, tensors, self.bias, x)
 
     @staticmethod

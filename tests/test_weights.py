@@ -10,6 +10,7 @@ from reference import reference_greedy, reference_last_logits
 from test_document_store import embedder, make_store
 from test_equivalence import PROMPTS, RICH
 
+from pc_rag import weights
 from pc_rag.cli import COMPUTE_DTYPE_NAMES
 from pc_rag.engine import PromptCache
 from pc_rag.errors import ModelLoadError, StoreMismatchError
@@ -51,6 +52,23 @@ def test_kernel_and_dense_paths_apply_the_same_weight(layer: type, rows: int) ->
     assert quantized(x).shape == (2, rows, 96)
     assert _relative_error(quantized(x), dense) < 2e-2  # bfloat16 products, different summation orders
     assert _relative_error(quantized.weight, linear.weight.detach()) < (0.02 if layer is Int8Linear else 0.15)
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_dense_bfloat16_runs_in_float32_where_the_cpu_has_no_bfloat16(monkeypatch, native: bool) -> None:
+    """Without bfloat16 hardware a bfloat16 GEMM is emulated at a third of float32's speed: the dense path (many
+    rows) then multiplies in float32 and rounds once, which differs from oneDNN's bfloat16 GEMM only in the
+    order of its float32 sums."""
+    monkeypatch.setattr(weights, "NATIVE_BFLOAT16", native)
+    torch.manual_seed(0)
+    quantized = Int4Linear.quantize(torch.nn.Linear(128, 96, bias=True), torch.bfloat16)
+    x = torch.randn(1, 9, 128, dtype=torch.bfloat16)  # beyond KERNEL_ROWS: the dense path
+    out = quantized(x)
+    emulated = torch.nn.functional.linear(x, quantized.weight, quantized.bias)
+    in_float32 = torch.nn.functional.linear(x.float(), quantized.weight.float(), quantized.bias.float()).bfloat16()
+    assert out.dtype == torch.bfloat16
+    assert torch.equal(out, emulated if native else in_float32)
+    torch.testing.assert_close(in_float32.float(), emulated.float(), rtol=2**-7, atol=1e-2)
 
 
 def test_int4_recovers_weights_dequantized_from_q4_1_exactly() -> None:
