@@ -47,6 +47,7 @@ class LoadedModel:
     name: str
     fingerprint_cache: Path | None = None  # where the digest of the weights as loaded from disk is kept
     compute: ComputeDtype | None = None  # None: dense weights in the parameters' dtype
+    base_fingerprint: str | None = None  # int8/int4: the fingerprint of the float32 weights they were quantized from
     _fingerprint: str | None = field(default=None, init=False, repr=False)
 
     @property
@@ -80,6 +81,13 @@ class LoadedModel:
                 self.fingerprint_cache, lambda: _fingerprint(self.model, self.tokenizer, self.compute)
             )
         return self._fingerprint
+
+    def adapter_fingerprints(self) -> tuple[str, ...]:
+        """The fingerprints a splice adapter may have been fitted for to serve this model: its own, then (int8,
+        int4) the float32 weights it was quantized from. An adapter corrects the query-time tokens of the same
+        weights; quantization moves them by far less than the splice does (measured: docs/dtypes.md)."""
+        own = self.fingerprint()
+        return (own,) if self.base_fingerprint in (None, own) else (own, self.base_fingerprint)
 
     def forget_fingerprint(self) -> None:
         """Hash the weights again on the next ``fingerprint`` (they changed since loading)."""
@@ -186,12 +194,22 @@ def load_model(
         msg = f"could not load model {name_or_path!r} from {directory}: {e}"
         raise ModelLoadError(msg) from e
     model.to(device).eval()
+    base = None
+    if compute.linear:  # hashed before quantizing, as a float32 load would hash it (and kept in the same cache)
+        dense_cache = _fingerprint_cache_path(Path(directory), str(torch.float32))
+        base = _cached(dense_cache, lambda: _fingerprint(model, tokenizer))
     apply_compute_dtype(model, compute)
     rope = rope_spec_for(model)
     tag = compute.name if compute.linear else str(compute.activations)  # dense tags as before: caches stay valid
     cache = _fingerprint_cache_path(Path(directory), tag)
     return LoadedModel(
-        model=model, tokenizer=tokenizer, rope=rope, name=name_or_path, fingerprint_cache=cache, compute=compute
+        model=model,
+        tokenizer=tokenizer,
+        rope=rope,
+        name=name_or_path,
+        fingerprint_cache=cache,
+        compute=compute,
+        base_fingerprint=base,
     )
 
 

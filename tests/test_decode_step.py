@@ -14,6 +14,7 @@ from pc_rag.assemble import forward_new_tokens
 from pc_rag.engine import PromptCache
 from pc_rag.kv import allocate
 from pc_rag.pml.nodes import Import, Module, Prompt, Schema, Text
+from pc_rag.rag.adapter import AdapterConfig, SpliceAdapter
 from pc_rag.runtime.decode_step import DecodeStep
 from pc_rag.runtime.generate import SamplingParams, decode_tokens
 from pc_rag.runtime.model_call import ModelCall
@@ -82,8 +83,8 @@ def test_plain_calls_decode_through_the_step_and_others_through_the_forward(toke
         entered.append(1)
         yield
 
-    # the step calls dense layers as modules, so it honours the context; int8's fused kernels would not
-    for lm, through_step in ((pc.lm, True), (tiny_in("llama", "int8", tokenizer), False)):
+    # a context acts through the linear modules; the step calls a module wherever something acts on it
+    for lm, through_step in ((pc.lm, True), (tiny_in("llama", "int8", tokenizer), True)):
         steps.clear()
         entered.clear()
         buffer = allocate(lm.model, 32)
@@ -92,3 +93,35 @@ def test_plain_calls_decode_through_the_step_and_others_through_the_forward(toke
         tokens = list(decode_tokens(lm.model, cache, logits, 3, params, frozenset(), ModelCall(context=counted)))
         assert len(entered) == len(tokens) - 1 > 0
         assert len(steps) == (len(tokens) - 1 if through_step else 0)
+
+
+@pytest.mark.parametrize("merged", [True, False])
+def test_an_adapter_on_quantized_layers_acts_inside_the_step(tokenizer, merged: bool) -> None:
+    """The fused q/k/v kernel would bypass an adapter on ``q_proj``: where one is attached the step runs those
+    layers as modules, so it equals the model's forward with the adapter applied, and differs from it without."""
+    lm = tiny_in("llama", "int4", tokenizer)
+    adapter = SpliceAdapter(lm.model, AdapterConfig(rank=4), "fp")
+    with torch.no_grad():
+        for p in adapter.lora_b.values():
+            p.normal_(0, 0.5)
+    adapter.attach(merged=merged)
+    step = DecodeStep.of(lm.model)
+    assert step is not None
+    prompt = tokenizer("The tower stands in Paris and is tall.", add_special_tokens=False)["input_ids"]
+    buffers = [allocate(lm.model, len(prompt) + 8) for _ in range(3)]
+    caches = [b.cache(0) for b in buffers]
+    try:
+        with torch.inference_mode():
+            for cache in caches:
+                lm.model(input_ids=torch.tensor([prompt]), cache=cache, use_cache=True)
+            for position, token in enumerate([5, 77, 301], start=len(prompt)):
+                inputs = {"input_ids": torch.tensor([[token]]), "position_ids": torch.tensor([[position]])}
+                with adapter.applied():
+                    fused = step([token], position, caches[0])[0].float()
+                    adapted = lm.model(**inputs, cache=caches[1], use_cache=True).logits[0, -1].float()
+                plain = lm.model(**inputs, cache=caches[2], use_cache=True).logits[0, -1].float()
+                scale = adapted.abs().max()
+                assert (fused - adapted).abs().max() / scale < TOLERANCE["int4"]
+                assert (fused - plain).abs().max() / scale > 5 * TOLERANCE["int4"]
+    finally:
+        adapter.detach()

@@ -145,3 +145,38 @@ def test_only_the_applied_adapter_acts(adapted) -> None:
             assert torch.equal(logits(lm, IDS), alone)
     finally:
         second.detach()
+
+
+def test_a_quantized_model_serves_the_adapter_of_its_float32_weights(tokenizer, tmp_path, monkeypatch) -> None:
+    """int8/int4 weights are the float32 model's, quantized: its adapter is looked up and loaded for them (its
+    pairs kept in float32, its fingerprint the one it was fitted for); another model's is still refused."""
+    from test_weights import tiny_in
+
+    from pc_rag.rag import RagEngine, RagPrompt
+    from pc_rag.rag.modes import DEFAULT_MODE
+    from pc_rag.rag.tuned import adapter_file
+
+    monkeypatch.setenv("PC_RAG_CACHE", str(tmp_path))
+    lm = tiny_in("llama", "int4", tokenizer)
+    lm.base_fingerprint = "dense"
+    assert lm.adapter_fingerprints() == (lm.fingerprint(), "dense")
+    fitted = SpliceAdapter(tiny_in("llama", "float32", tokenizer).model, AdapterConfig(rank=2), "dense")
+    with torch.no_grad():
+        for p in fitted.lora_b.values():
+            p.normal_(0, 0.5)
+    path = tmp_path / "tuned" / adapter_file("dense")
+    fitted.save(path)
+    loaded = SpliceAdapter.load(path, lm.model, lm.adapter_fingerprints())
+    assert loaded.fingerprint == "dense" and loaded.digest == fitted.digest
+    assert all(p.dtype == torch.float32 for p in loaded.parameters())
+    with pytest.raises(AdapterError, match=f"trained for model dense, not {lm.fingerprint()}"):
+        SpliceAdapter.load(path, lm.model, lm.fingerprint())
+    engine = RagEngine(lm, RagPrompt())
+    assert engine.tuned.has_adapter() and engine.default_mode == DEFAULT_MODE
+    adapter = engine.tuned.adapter()
+    try:
+        assert adapter.fingerprint == "dense"
+        chunks = engine.encode(["The Zorblax Tower was designed by Mirela Vantok."])
+        assert engine.answer(chunks, "Who designed it?", "fast", max_new_tokens=3).token_ids
+    finally:
+        adapter.detach()

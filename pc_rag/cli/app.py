@@ -354,7 +354,8 @@ def _run_eval(args: argparse.Namespace) -> int:
     if args.adapter is not None:
         from pc_rag.rag.tuned import merged_adapter
 
-        engine.tuned.use(merged_adapter(lm, args.adapter, lm.fingerprint()))  # merged: served at the plain cost
+        # merged: served at the plain cost; an int8/int4 model also takes its float32 weights' adapter
+        engine.tuned.use(merged_adapter(lm, args.adapter, lm.adapter_fingerprints()))
     reference = None
     if args.reference_dtype is not None:
         reference_lm = load_model(args.model or DEFAULT_MODEL, device=args.device, dtype=args.reference_dtype)

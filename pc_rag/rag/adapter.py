@@ -34,13 +34,13 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import nn
 from transformers import PreTrainedModel
 
 from pc_rag.errors import PCRagError
+from pc_rag.weights import QuantizedLinear, dense_linear
 
 # (adapter, side, rows left unadapted at the start of each call's sequence) while ``applied()`` or
 # ``encoding_applied()``
@@ -88,6 +88,8 @@ class SpliceAdapter(nn.Module):
         self.config, self.fingerprint = config, fingerprint
         self._targets = _target_modules(model, config.targets)
         ref = next(model.parameters())
+        if any(isinstance(linear, QuantizedLinear) for linear in self._targets.values()):
+            ref = ref.float()  # the pairs of a quantized model keep float32: the file's values, and its digest
         self.lora_a, self.lora_b = _lora_pairs(self._targets, config.rank, ref)
         if config.encoding == "separate":
             self.encode_a, self.encode_b = _lora_pairs(self._targets, config.rank, ref)
@@ -145,8 +147,8 @@ class SpliceAdapter(nn.Module):
                 return plain(x)
             side, skip = state
             if not skip:
-                return F.linear(x, weights[side], linear.bias)
-            return torch.cat((plain(x[:, :skip]), F.linear(x[:, skip:], weights[side], linear.bias)), dim=1)
+                return dense_linear(x, weights[side], linear.bias)
+            return torch.cat((plain(x[:, :skip]), dense_linear(x[:, skip:], weights[side], linear.bias)), dim=1)
 
         linear.forward = forward
         self._merged.append(linear)
@@ -195,8 +197,11 @@ class SpliceAdapter(nn.Module):
         save_file(tensors, str(path), metadata=meta)
 
     @classmethod
-    def load(cls, path: str | Path, model: PreTrainedModel, fingerprint: str) -> SpliceAdapter:
-        """Read an adapter saved by ``save`` for a model with ``fingerprint``; ``AdapterError`` otherwise."""
+    def load(cls, path: str | Path, model: PreTrainedModel, fingerprint: str | Sequence[str]) -> SpliceAdapter:
+        """Read an adapter saved by ``save`` for a model with ``fingerprint`` (or one of several: a quantized
+        model also takes its float32 weights' adapter, ``LoadedModel.adapter_fingerprints``); ``AdapterError``
+        otherwise. The adapter keeps the fingerprint it was fitted for."""
+        accepted = (fingerprint,) if isinstance(fingerprint, str) else tuple(fingerprint)
         path = Path(path)
         try:
             with safe_open(str(path), framework="pt") as f:
@@ -208,10 +213,10 @@ class SpliceAdapter(nn.Module):
         if meta.get("format") != FORMAT:
             msg = f"{path} is not a pc-rag splice adapter (format {meta.get('format')!r}, expected {FORMAT!r})"
             raise AdapterError(msg)
-        if meta.get("fingerprint") != fingerprint:
+        if meta.get("fingerprint") not in accepted:
             msg = (
-                f"splice adapter {path} was trained for model {meta.get('fingerprint')}, not {fingerprint}; "
-                "train one for this model with `pc-rag tune`"
+                f"splice adapter {path} was trained for model {meta.get('fingerprint')}, not "
+                f"{' or '.join(accepted)}; train one for this model with `pc-rag tune`"
             )
             raise AdapterError(msg)
         try:
@@ -223,7 +228,7 @@ class SpliceAdapter(nn.Module):
         except (KeyError, TypeError, ValueError) as e:
             msg = f"splice adapter {path} has a malformed configuration: {e}"
             raise AdapterError(msg) from e
-        adapter = cls(model, config, fingerprint)
+        adapter = cls(model, config, str(meta["fingerprint"]))
         named = {f"{k}.{suffix}": p for suffix, k, p in adapter._named_pairs()}
         got = {k: t.shape for k, t in tensors.items()}
         if got != {k: p.shape for k, p in named.items()}:
@@ -295,11 +300,12 @@ def _digest(header: str, tensors: Mapping[str, torch.Tensor]) -> str:
 
 
 def _target_modules(model: PreTrainedModel, targets: Sequence[str]) -> dict[str, nn.Linear]:
-    """``{qualified name: linear}`` of every decoder layer's modules whose last name is in ``targets``."""
+    """``{qualified name: linear}`` of every decoder layer's modules whose last name is in ``targets`` (dense or
+    weight-only quantized: both hold the layer's ``weight``)."""
     found = {
         name: module
         for name, module in model.get_decoder().layers.named_modules()
-        if isinstance(module, nn.Linear) and name.rsplit(".", 1)[-1] in targets
+        if isinstance(module, nn.Linear | QuantizedLinear) and name.rsplit(".", 1)[-1] in targets
     }
     missing = set(targets) - {name.rsplit(".", 1)[-1] for name in found}
     if missing:

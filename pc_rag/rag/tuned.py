@@ -58,7 +58,13 @@ _MERGED: weakref.WeakKeyDictionary[nn.Module, tuple[Path, int, SpliceAdapter]] =
 _MERGED_LOCK = threading.Lock()
 
 
-def merged_adapter(lm: LoadedModel, path: Path, fingerprint: str) -> SpliceAdapter:
+def find_adapter(lm: LoadedModel) -> Path | None:
+    """The adapter serving finds for ``lm``: one fitted for its own weights, else (int8, int4) one fitted for the
+    float32 weights it was quantized from (``LoadedModel.adapter_fingerprints``); None if neither exists."""
+    return next(filter(None, map(installed_adapter, lm.adapter_fingerprints())), None)
+
+
+def merged_adapter(lm: LoadedModel, path: Path, fingerprint: str | tuple[str, ...]) -> SpliceAdapter:
     """The adapter at ``path`` merged into ``lm``'s layers, once per model: every engine on one model serves
     through the same merged copy (a layer holds one merged adapter). Another file, or this one rewritten since
     (``pc-rag tune``), is refused while the model serves the first: engines already made would change."""
@@ -101,8 +107,8 @@ class Tuned:
     def adapter(self) -> SpliceAdapter:
         with self._lock:
             if self._adapter is None:
-                path = self._find(adapter_file(self.fingerprint()), "splice adapter")
-                self._adapter = merged_adapter(self.lm, path, self.fingerprint())
+                path = find_adapter(self.lm) or self._find(adapter_file(self.fingerprint()), "splice adapter")
+                self._adapter = merged_adapter(self.lm, path, self.lm.adapter_fingerprints())
             return self._adapter
 
     def has_adapter(self) -> bool:
@@ -110,7 +116,7 @@ class Tuned:
         with self._lock:
             if self._adapter is not None:
                 return True
-        return installed_adapter(self.fingerprint()) is not None
+        return find_adapter(self.lm) is not None
 
     def calibration(self) -> Calibration:
         with self._lock:

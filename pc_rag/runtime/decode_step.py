@@ -53,7 +53,8 @@ class FusedLayer:
     ``project`` and ``finish`` are the layer around its attention, for ``x`` [N, T, hidden] (N sequences of T
     tokens): every step written out here (one token, a batch of rows, a padded bucket of tokens) calls them and
     differs only in how it attends. ``fused``: use the fused kernels (quantized layers, at most
-    ``weights.KERNEL_ROWS`` rows)."""
+    ``weights.KERNEL_ROWS`` rows) where no hook or merged adapter acts on one of the layers they join; those run
+    as their modules, so the adapter acts inside the step as in the model's forward."""
 
     def __init__(self, layer: nn.Module) -> None:
         self.layer = layer
@@ -69,7 +70,7 @@ class FusedLayer:
         attn = layer.self_attn
         rows, count, head_dim = x.shape[0], x.shape[1], attn.head_dim
         h = rms_norm(layer.input_layernorm, x)
-        if fused and self.qkv is not None:
+        if fused and self.qkv is not None and not overridden(attn.q_proj, attn.k_proj, attn.v_proj):
             q, k, v = self.qkv(h)
         else:
             q, k, v = attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)
@@ -86,7 +87,7 @@ class FusedLayer:
         mlp = layer.mlp
         x = x + layer.self_attn.o_proj(attended)
         h = rms_norm(layer.post_attention_layernorm, x)
-        if fused and self.gate_up is not None:
+        if fused and self.gate_up is not None and not overridden(mlp.gate_proj, mlp.up_proj):
             gate, up = self.gate_up(h)
         else:
             gate, up = mlp.gate_proj(h), mlp.up_proj(h)
@@ -122,11 +123,6 @@ class DecodeStep:
     def serves(cache: Cache) -> bool:
         """Whether the step can write into ``cache``: one preallocated buffer, as ``KVBuffer.cache`` makes."""
         return isinstance(cache, BufferCache) and cache.buffer.keys.shape[1] == 1
-
-    def reads_modules(self) -> bool:
-        """Whether every linear layer runs as its module (no fused int8/int4 kernel): hooks and merged adapters
-        on the modules then act inside the step as in the model's forward."""
-        return all(layer.qkv is None and layer.gate_up is None for layer in self._layers)
 
     def __call__(self, tokens: Sequence[int], position: int, cache: BufferCache, rows: int = STEP_ROWS) -> torch.Tensor:
         """``rows``: the row count every matmul runs (the tokens, then padding): 1 for plain decoding, where a
@@ -184,6 +180,12 @@ def cache_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, s
     else:
         out = F.scaled_dot_product_attention(folded, keys, values, scale=scale)
     return out.reshape(1, 1, -1)
+
+
+def overridden(*modules: nn.Module) -> bool:
+    """Whether something acts on one of ``modules`` beyond its class's forward: a forward hook, or a forward set
+    on the instance (``SpliceAdapter.attach(merged=True)``). A fused kernel would bypass it."""
+    return any("forward" in m.__dict__ or m._forward_hooks or m._forward_pre_hooks for m in modules)
 
 
 def rms_norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:

@@ -338,14 +338,15 @@ class ModelRunner:
 
     def serves(self, cache: object, call: ModelCall = PLAIN) -> bool:
         """Whether ``decode`` can step ``cache`` under ``call``: a batch-one buffer cache of a model the fused step
-        describes, and a call that adds no attention kwargs. A call's context (an adapter applied) is honoured
-        where every linear layer runs as its module; CUDA graphs, captured once, take plain calls only."""
+        describes, and a call that adds no attention kwargs. A call's context (an adapter applied) is honoured:
+        the step runs a layer something acts on as its module (``decode_step.overridden``); CUDA graphs, captured
+        once, take plain calls only."""
         if not (isinstance(cache, BufferCache) and DecodeStep.serves(cache) and self._static is not None):
             return False
         if call.is_plain:
             return True
         step = DecodeStep.of(self.model)
-        return not call.kwargs and not self.static and step is not None and step.reads_modules()
+        return not call.kwargs and not self.static and step is not None
 
     @torch.inference_mode()
     def prepare(self, buffer: KVBuffer, length: int = 0) -> None:

@@ -40,3 +40,24 @@ def test_fast_is_closer_to_full_prefill_than_plain_splicing(engine: RagEngine) -
             result = engine.answer(chunks, q.question, mode, max_new_tokens=8, reference_ids=full.token_ids[:7])
             totals[mode] += teacher_forced(full, result)[0]
     assert totals["fast"] < 0.8 * totals["prefix"], totals
+
+
+def test_int4_serves_the_adapter_of_the_float32_weights(smollm2: LoadedModel) -> None:
+    """The int4 model is the bundled float32 model quantized: it finds the shipped adapter, so ``fast`` is its
+    default too, and it brings answers toward the int4 model's own full prefill."""
+    from pc_rag.model import load_model
+
+    int4 = load_model(dtype="int4")
+    assert int4.adapter_fingerprints() == (int4.fingerprint(), smollm2.fingerprint())
+    engine = RagEngine(int4, RagPrompt.longbench())
+    assert engine.default_mode == DEFAULT_MODE
+    adapter = engine.tuned.adapter()
+    assert adapter.fingerprint == smollm2.fingerprint()
+    totals = {"prefix": 0.0, "fast": 0.0}
+    for q in sample_questions()[:2]:
+        chunks = engine.encode([engine.passage_text(i + 1, t, x) for i, (t, x) in enumerate(q.passages)], "prefix")
+        full = engine.answer_full(chunks, q.question, max_new_tokens=8, keep_logits=8)
+        for mode in totals:
+            result = engine.answer(chunks, q.question, mode, max_new_tokens=8, reference_ids=full.token_ids[:7])
+            totals[mode] += teacher_forced(full, result)[0]
+    assert totals["fast"] < totals["prefix"], totals
