@@ -317,6 +317,17 @@ def ttft_table(rows: list[Row]) -> str:
                             f"{r['cached_ttft_ms'] / r['floor_ms']:.2f}x"] for r in rows])  # fmt: skip
 
 
+def quantized_prefill_table(rows: list[Row]) -> str:
+    """Markdown: one row per context length of `examples/quantized_prefill_ab.py`: int4 prefill with bfloat16 GEMMs
+    and with float32 GEMMs, the speedup, the float32 model's prefill, and how far the two int4 paths' logits are."""
+    head = ["context tokens", "int4, bfloat16 GEMMs", "int4, float32 GEMMs", "speedup", "float32 model",
+            "max logit difference", "same next token"]  # fmt: skip
+    return markdown(head, [[f"{r['context_tokens']:,}", f"{r['bfloat16_gemm_s']:.2f} s", f"{r['float32_gemm_s']:.2f} s",
+                            f"{r['speedup']:.2f}x", f"{r['float32_model_s']:.2f} s",
+                            f"{r['max_abs_logit_difference']:.2f}", "yes" if r["same_next_token"] else "no"]
+                           for r in rows])  # fmt: skip
+
+
 def with_sizes(rows: list[Row], sizes: list[Row]) -> list[Row]:
     """``rows`` of an eval whose ``MODE@CODEC`` rows get ``bytes_per_token`` from a `pc-rag bench codec` file."""
     per_codec = {r["codec"]: r["bytes_per_token"] for r in sizes}
@@ -365,6 +376,8 @@ def render(loaded: list[Any], args: argparse.Namespace) -> str:
         return "\n\n".join(conversation_table(d) for d in loaded)
     if all(isinstance(d, dict) and d.get("rows") for d in loaded):  # script rows: codec_allocation or oracle sweep
         rows = [row for d in loaded for row in d["rows"]]
+        if all("bfloat16_gemm_s" in d["rows"][0] for d in loaded):  # quantized_prefill_ab.py
+            return quantized_prefill_table(rows)
         return allocation_table(rows) if all("allocation" in d["rows"][0] for d in loaded) else oracle_table(rows)
     rows = [row for d in loaded for row in d["results"]]
     if args.sizes is not None:
