@@ -120,10 +120,16 @@ class QuantizedLinear(nn.Module, ABC):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         tensors = self.kernel_tensors()
-        rows = x.numel() // self.in_features
-        if tensors is None or rows > KERNEL_ROWS or x.device.type != "cpu" or x.dtype != torch.bfloat16:
+        if tensors is None or not self.takes_kernel(x):
             return dense_linear(x, self.weight, self.bias)
         return _kernel_call(type(self).matmul, tensors, self.bias, x)
+
+    def takes_kernel(self, x: torch.Tensor) -> bool:
+        """Whether ``forward(x)`` runs the fused kernel (at most ``KERNEL_ROWS`` bfloat16 rows on the CPU, where the
+        kernel exists): a row's bits then do not depend on the other rows."""
+        rows = x.numel() // self.in_features
+        on_cpu = x.device.type == "cpu" and x.dtype == torch.bfloat16
+        return on_cpu and rows <= KERNEL_ROWS and self.kernel_tensors() is not None
 
     @staticmethod
     @abstractmethod

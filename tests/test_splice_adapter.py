@@ -180,3 +180,32 @@ def test_a_quantized_model_serves_the_adapter_of_its_float32_weights(tokenizer, 
         assert engine.answer(chunks, "Who designed it?", "fast", max_new_tokens=3).token_ids
     finally:
         adapter.detach()
+
+
+def test_a_merged_adapter_on_an_int4_layer_gives_a_decode_row_the_same_bits_in_any_step(tokenizer) -> None:
+    """Batched decoding equals decoding alone only if a row's bits do not depend on the other rows: up to
+    KERNEL_ROWS rows an adapted int4 layer runs its kernel plus the low-rank term row by row, many rows (prefill)
+    the merged dense weight; both apply the same adapted weight."""
+    from test_weights import tiny_in
+
+    from pc_rag.weights import KERNEL_ROWS
+
+    lm = tiny_in("llama", "int4", tokenizer)
+    adapter = SpliceAdapter(lm.model, AdapterConfig(rank=4), "fp")
+    with torch.no_grad():
+        for p in adapter.lora_b.values():
+            p.normal_(0, 0.5)
+    adapter.attach(merged=True)
+    layer = lm.model.get_decoder().layers[0].self_attn.q_proj
+    x = torch.randn(1, 9, layer.in_features).bfloat16()
+    try:
+        with torch.no_grad(), adapter.applied():
+            rows = layer(x[:, :KERNEL_ROWS])
+            for t in range(KERNEL_ROWS):
+                assert torch.equal(layer(x[:, t : t + 1]), rows[:, t : t + 1])
+            dense = layer(x)  # 9 rows: the merged dense weight
+        plain = layer(x[:, :KERNEL_ROWS])
+        torch.testing.assert_close(rows.float(), dense[:, :KERNEL_ROWS].float(), rtol=2e-2, atol=2e-2)
+        assert (rows.float() - plain.float()).abs().max() > 0.1  # the adapter acts
+    finally:
+        adapter.detach()

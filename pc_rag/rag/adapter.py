@@ -34,13 +34,14 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import nn
 from transformers import PreTrainedModel
 
 from pc_rag.errors import PCRagError
-from pc_rag.weights import QuantizedLinear, dense_linear
+from pc_rag.weights import KERNEL_ROWS, QuantizedLinear, dense_linear
 
 # (adapter, side, rows left unadapted at the start of each call's sequence) while ``applied()`` or
 # ``encoding_applied()``
@@ -133,13 +134,19 @@ class SpliceAdapter(nn.Module):
         if "forward" in linear.__dict__:
             msg = "another merged splice adapter is attached to this model: detach it first"
             raise AdapterError(msg)
-        weights = {}
+        weights, pairs = {}, {}
         with torch.no_grad():
             for side in (QUERY, ENCODE) if self.encodes else (QUERY,):
                 lora_a, lora_b = self._pairs(side)
-                delta = lora_b[key].float() @ lora_a[key].float() * self.config.scale
-                weights[side] = (linear.weight.float() + delta).to(linear.weight.dtype)
+                a, b = lora_a[key].detach().float(), lora_b[key].detach().float() * self.config.scale
+                weights[side] = (linear.weight.float() + b @ a).to(linear.weight.dtype)
+                pairs[side] = a, b
         plain = linear.forward
+
+        def adapted(x: torch.Tensor, side: str) -> torch.Tensor:
+            if isinstance(linear, QuantizedLinear) and linear.takes_kernel(x):
+                return kernel_plus_low_rank(plain(x), x, *pairs[side])
+            return dense_linear(x, weights[side], linear.bias)
 
         def forward(x: torch.Tensor) -> torch.Tensor:
             state = self._state()
@@ -147,8 +154,8 @@ class SpliceAdapter(nn.Module):
                 return plain(x)
             side, skip = state
             if not skip:
-                return dense_linear(x, weights[side], linear.bias)
-            return torch.cat((plain(x[:, :skip]), dense_linear(x[:, skip:], weights[side], linear.bias)), dim=1)
+                return adapted(x, side)
+            return torch.cat((plain(x[:, :skip]), adapted(x[:, skip:], side)), dim=1)
 
         linear.forward = forward
         self._merged.append(linear)
@@ -297,6 +304,19 @@ def _digest(header: str, tensors: Mapping[str, torch.Tensor]) -> str:
         h.update(name.encode())
         h.update(tensor.detach().float().cpu().contiguous().numpy().tobytes())
     return h.hexdigest()[:16]
+
+
+def kernel_plus_low_rank(out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``out`` (a quantized kernel's rows for ``x``, at most ``KERNEL_ROWS``) plus ``b @ a`` applied to ``x``. A
+    row must get the same bits in a step of 1 row as of ``KERNEL_ROWS`` (batched decoding equals decoding alone,
+    as the kernel gives it), so the term is always computed over ``KERNEL_ROWS`` rows (``x``'s, then zeros) as
+    products summed within each row: same shapes, same reductions, whatever the row count (AVX2's reductions
+    over few elements differ by output count). ``a`` [r, in], ``b`` [out, r] (scale included)."""
+    rows = x.reshape(-1, x.shape[-1]).float()
+    padded = F.pad(rows, (0, 0, 0, KERNEL_ROWS - rows.shape[0]))  # [KERNEL_ROWS, in]
+    low = (padded.unsqueeze(1) * a).sum(-1)  # [KERNEL_ROWS, r]
+    term = (low.unsqueeze(1) * b).sum(-1)[: rows.shape[0]]  # [rows, out]
+    return (out.float() + term.view(out.shape)).to(out.dtype)
 
 
 def _target_modules(model: PreTrainedModel, targets: Sequence[str]) -> dict[str, nn.Linear]:

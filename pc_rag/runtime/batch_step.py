@@ -59,11 +59,6 @@ class BatchDecodeStep:
         """The model's step, built once per model; None when it would not equal the model's forward."""
         return built_once(cls, model)
 
-    def reads_modules(self) -> bool:
-        """Whether every linear layer runs as its module (no fused int8/int4 kernel): an adapter applied to the
-        modules then acts inside the step as in the model's forward (``DecodeStep.reads_modules``)."""
-        return all(layer.qkv is None and layer.gate_up is None for layer in self._layers)
-
     @torch.inference_mode()
     def __call__(
         self, tokens: torch.Tensor, positions: torch.Tensor, arena: PrivateArena, pool: SharedKVPool | None,

@@ -250,11 +250,10 @@ class Scheduler:
         }
 
     def _shares_step(self, call: ModelCall) -> bool:
-        """Whether the batched step can run ``call``: the model's own forward, or one inside a context (an adapter
-        applied to the linear modules) when every linear layer of the step runs as its module."""
-        if self._step is None or call.kwargs:
-            return False
-        return call.is_plain or self._step.reads_modules()
+        """Whether the batched step can run ``call``: one without attention kwargs (its context, an adapter applied
+        to the linear modules, acts inside the step: a layer something acts on runs as its module,
+        ``decode_step.overridden``)."""
+        return self._step is not None and not call.kwargs
 
     def _kv_bytes(self) -> tuple[int, int]:
         tokens = sum(s.length for live in self._rows for s in live.segments)

@@ -9,6 +9,7 @@ from test_weights import tiny_in
 from transformers.cache_utils import DynamicCache
 
 from pc_rag.kv import SpanKV, kv_shape
+from pc_rag.rag.adapter import AdapterConfig, SpliceAdapter
 from pc_rag.runtime.arena import PrivateArena
 from pc_rag.runtime.batch_step import BatchDecodeStep, SharedRead
 from pc_rag.runtime.shared_pool import SegmentKey, SharedKVPool
@@ -142,6 +143,31 @@ def test_a_row_gets_the_same_bits_alone_as_in_any_batch(tokenizer, arch: str, dt
             many = step(tokens, crowd.positions + i, crowd.arena, crowd.pool, crowd.reads()[::-1])
             assert torch.equal(one[0], many[0]), f"step {i}"
             tokens = many.argmax(-1)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "int4"])
+def test_a_row_under_an_adapter_gets_the_same_bits_alone_as_in_a_batch(tokenizer, dtype: str) -> None:
+    """``fast`` applies a merged splice adapter to q_proj and o_proj: the step runs those layers as modules (int4:
+    the kernel plus the low-rank term), and a row still gets its bits alone."""
+    lm = tiny_in("llama", dtype, tokenizer)
+    adapter = SpliceAdapter(lm.model, AdapterConfig(rank=4), "fp")
+    with torch.no_grad():
+        for p in adapter.lora_b.values():
+            p.normal_(0, 0.5)
+    adapter.attach(merged=True)
+    step = BatchDecodeStep.of(lm.model)
+    rows = KERNEL_ROWS if lm.compute.linear else 5
+    alone, crowd = _Batch(lm.model, lm.model.dtype, rows=1), _Batch(lm.model, lm.model.dtype, rows=rows)
+    tokens = torch.tensor([5, 77, 301, 9, 40])[:rows]
+    try:
+        with torch.inference_mode(), adapter.applied():
+            for i in range(3):
+                one = step(tokens[:1], alone.positions + i, alone.arena, alone.pool, alone.reads())
+                many = step(tokens, crowd.positions + i, crowd.arena, crowd.pool, crowd.reads()[::-1])
+                assert torch.equal(one[0], many[0]), f"step {i}"
+                tokens = many.argmax(-1)
+    finally:
+        adapter.detach()
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

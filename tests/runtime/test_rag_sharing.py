@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import tiny_model
+from test_weights import tiny_in
 
 from pc_rag.calibration import Calibration
 from pc_rag.rag import RagEngine, RagPrompt
@@ -37,16 +38,16 @@ def store(tmp_path_factory, tokenizer) -> DocumentStore:
     return store
 
 
-@pytest.fixture(scope="module", params=["merged", "hooks"])
+@pytest.fixture(scope="module", params=["merged", "hooks", "int4 merged"])
 def adapted(request, tmp_path_factory, tokenizer) -> DocumentStore:
-    """A store whose engine serves a splice adapter (merged, as a trained one is served, or as training's hooks)
-    and a calibration."""
-    lm = tiny_model("llama", tokenizer)
+    """A store whose engine serves a splice adapter (merged, as a trained one is served, or as training's hooks;
+    on float32 weights, or on int4 ones whose fused kernels it must not be bypassed by) and a calibration."""
+    lm = tiny_in("llama", "int4", tokenizer) if request.param.startswith("int4") else tiny_model("llama", tokenizer)
     adapter = SpliceAdapter(lm.model, AdapterConfig(rank=4), "fp")
     with torch.no_grad():
         for p in adapter.lora_b.values():
             p.normal_(0, 0.5)  # B starts at zero: make the adapter change the answers
-    adapter.attach(merged=request.param == "merged")
+    adapter.attach(merged=request.param.endswith("merged"))
     engine = RagEngine(lm, RagPrompt(), adapter=adapter, calibration=Calibration(0.8, 1.2))
     embed = as_embedder(lambda texts: np.ones((len(texts), 8), dtype=np.float32), name="constant")
     store = DocumentStore.create(tmp_path_factory.mktemp("a") / "store", engine, embedder=embed, mode="fast")
@@ -76,7 +77,16 @@ def test_the_default_and_recovery_modes_decode_in_one_batch_as_alone(adapted: Do
     together, scheduler = _together(adapted, [mode])
     assert scheduler.served == {"batched": len(QUESTIONS)}  # none served alone
     assert scheduler.widest_step == len(QUESTIONS)  # every request in one step
+    if not rounds_alike(adapted):
+        return
     assert together == _alone(adapted, mode)
+
+
+def rounds_alike(store: DocumentStore) -> bool:
+    """Whether answers together equal answers alone bit for bit: not in int4, whose prefill of a question (past
+    KERNEL_ROWS rows) takes the dense copy packed with others and rounds differently (``batch_prefill``); its decode
+    rows keep their bits in a batch (``test_batch_step``)."""
+    return store.engine.lm.compute is None or store.engine.lm.compute.linear is None
 
 
 def test_the_adapter_changes_the_answers(adapted: DocumentStore) -> None:
@@ -88,6 +98,8 @@ def test_requests_under_different_adapters_decode_in_steps_of_their_own(adapted:
     together, scheduler = _together(adapted, ["prefix", "fast", "prefix+adapter"])
     assert scheduler.served == {"batched": 3 * len(QUESTIONS)}
     assert scheduler.widest_step == 2 * len(QUESTIONS)  # fast and prefix+adapter: one adapter, one context
+    if not rounds_alike(adapted):
+        return
     assert together == _alone(adapted, "prefix") + _alone(adapted, "fast") + _alone(adapted, "prefix+adapter")
 
 
