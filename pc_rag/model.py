@@ -84,8 +84,8 @@ class LoadedModel:
 
     def adapter_fingerprints(self) -> tuple[str, ...]:
         """The fingerprints a splice adapter may have been fitted for to serve this model: its own, then (int8,
-        int4) the float32 weights it was quantized from. An adapter corrects the query-time tokens of the same
-        weights; quantization moves them by far less than the splice does (measured: docs/dtypes.md)."""
+        int4) the float32 weights it was quantized from: the same weights, rounded (how well ``fast`` serves
+        there is measured in docs/dtypes.md)."""
         own = self.fingerprint()
         return (own,) if self.base_fingerprint in (None, own) else (own, self.base_fingerprint)
 
