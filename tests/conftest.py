@@ -43,6 +43,7 @@ from transformers import (
 
 from pc_rag.attention import ATTENTION
 from pc_rag.model import LoadedModel, load_model
+from pc_rag.rag.adapter import AdapterConfig, SpliceAdapter
 from pc_rag.rope import rope_spec_for
 
 _COMMON = dict(
@@ -111,6 +112,15 @@ def tiny_model(arch: str, tokenizer: PreTrainedTokenizerBase) -> LoadedModel:
             if p.dim() > 1:
                 p.normal_(0, 0.2)
     return LoadedModel(model=model, tokenizer=tokenizer, rope=rope_spec_for(model), name=f"tiny-{arch}")
+
+
+def acting_adapter(model: torch.nn.Module, rank: int = 4, fingerprint: str = "fp") -> SpliceAdapter:
+    """A splice adapter on ``model`` (not attached) whose B matrices are random: B starts at zero, the identity."""
+    adapter = SpliceAdapter(model, AdapterConfig(rank=rank), fingerprint)
+    with torch.no_grad():
+        for p in adapter.lora_b.values():
+            p.normal_(0, 0.5)
+    return adapter
 
 
 @pytest.fixture(scope="session", params=sorted(TINY_CONFIGS))

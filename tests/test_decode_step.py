@@ -7,14 +7,13 @@ from contextlib import contextmanager
 
 import pytest
 import torch
-from conftest import TINY_CONFIGS, tiny_model
+from conftest import TINY_CONFIGS, acting_adapter, tiny_model
 from test_weights import tiny_in
 
 from pc_rag.assemble import forward_new_tokens
 from pc_rag.engine import PromptCache
 from pc_rag.kv import allocate
 from pc_rag.pml.nodes import Import, Module, Prompt, Schema, Text
-from pc_rag.rag.adapter import AdapterConfig, SpliceAdapter
 from pc_rag.runtime.decode_step import DecodeStep
 from pc_rag.runtime.generate import SamplingParams, decode_tokens
 from pc_rag.runtime.model_call import ModelCall
@@ -100,10 +99,7 @@ def test_an_adapter_on_quantized_layers_acts_inside_the_step(tokenizer, merged: 
     """The fused q/k/v kernel would bypass an adapter on ``q_proj``: where one is attached the step runs those
     layers as modules, so it equals the model's forward with the adapter applied, and differs from it without."""
     lm = tiny_in("llama", "int4", tokenizer)
-    adapter = SpliceAdapter(lm.model, AdapterConfig(rank=4), "fp")
-    with torch.no_grad():
-        for p in adapter.lora_b.values():
-            p.normal_(0, 0.5)
+    adapter = acting_adapter(lm.model)
     adapter.attach(merged=merged)
     step = DecodeStep.of(lm.model)
     assert step is not None

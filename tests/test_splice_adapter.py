@@ -6,6 +6,7 @@ import threading
 
 import pytest
 import torch
+from conftest import acting_adapter
 from safetensors.torch import save_file
 
 from pc_rag.rag.adapter import AdapterConfig, AdapterError, SpliceAdapter
@@ -160,10 +161,7 @@ def test_a_quantized_model_serves_the_adapter_of_its_float32_weights(tokenizer, 
     lm = tiny_in("llama", "int4", tokenizer)
     lm.base_fingerprint = "dense"
     assert lm.adapter_fingerprints() == (lm.fingerprint(), "dense")
-    fitted = SpliceAdapter(tiny_in("llama", "float32", tokenizer).model, AdapterConfig(rank=2), "dense")
-    with torch.no_grad():
-        for p in fitted.lora_b.values():
-            p.normal_(0, 0.5)
+    fitted = acting_adapter(tiny_in("llama", "float32", tokenizer).model, rank=2, fingerprint="dense")
     path = tmp_path / "tuned" / adapter_file("dense")
     fitted.save(path)
     loaded = SpliceAdapter.load(path, lm.model, lm.adapter_fingerprints())
@@ -191,10 +189,7 @@ def test_a_merged_adapter_on_an_int4_layer_gives_a_decode_row_the_same_bits_in_a
     from pc_rag.weights import KERNEL_ROWS
 
     lm = tiny_in("llama", "int4", tokenizer)
-    adapter = SpliceAdapter(lm.model, AdapterConfig(rank=4), "fp")
-    with torch.no_grad():
-        for p in adapter.lora_b.values():
-            p.normal_(0, 0.5)
+    adapter = acting_adapter(lm.model)
     adapter.attach(merged=True)
     layer = lm.model.get_decoder().layers[0].self_attn.q_proj
     x = torch.randn(1, 9, layer.in_features).bfloat16()

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import TINY_CONFIGS, tiny_model
+from conftest import TINY_CONFIGS, acting_adapter, tiny_model
 from test_weights import tiny_in
 from transformers.cache_utils import DynamicCache
 
 from pc_rag.kv import SpanKV, kv_shape
-from pc_rag.rag.adapter import AdapterConfig, SpliceAdapter
 from pc_rag.runtime.arena import PrivateArena
 from pc_rag.runtime.batch_step import BatchDecodeStep, SharedRead
 from pc_rag.runtime.shared_pool import SegmentKey, SharedKVPool
@@ -150,10 +149,7 @@ def test_a_row_under_an_adapter_gets_the_same_bits_alone_as_in_a_batch(tokenizer
     """``fast`` applies a merged splice adapter to q_proj and o_proj: the step runs those layers as modules (int4:
     the kernel plus the low-rank term), and a row still gets its bits alone."""
     lm = tiny_in("llama", dtype, tokenizer)
-    adapter = SpliceAdapter(lm.model, AdapterConfig(rank=4), "fp")
-    with torch.no_grad():
-        for p in adapter.lora_b.values():
-            p.normal_(0, 0.5)
+    adapter = acting_adapter(lm.model)
     adapter.attach(merged=True)
     step = BatchDecodeStep.of(lm.model)
     rows = KERNEL_ROWS if lm.compute.linear else 5

@@ -8,13 +8,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
-import torch
-from conftest import tiny_model
+from conftest import acting_adapter, tiny_model
 from test_weights import tiny_in
 
 from pc_rag.calibration import Calibration
 from pc_rag.rag import RagEngine, RagPrompt
-from pc_rag.rag.adapter import AdapterConfig, SpliceAdapter
 from pc_rag.runtime.generate import collect
 from pc_rag.runtime.scheduler import Scheduler, _Entry
 from pc_rag.runtime.shared_pool import CHUNK_TOKENS
@@ -43,10 +41,7 @@ def adapted(request, tmp_path_factory, tokenizer) -> DocumentStore:
     """A store whose engine serves a splice adapter (merged, as a trained one is served, or as training's hooks;
     on float32 weights, or on int4 ones whose fused kernels it must not be bypassed by) and a calibration."""
     lm = tiny_in("llama", "int4", tokenizer) if request.param.startswith("int4") else tiny_model("llama", tokenizer)
-    adapter = SpliceAdapter(lm.model, AdapterConfig(rank=4), "fp")
-    with torch.no_grad():
-        for p in adapter.lora_b.values():
-            p.normal_(0, 0.5)  # B starts at zero: make the adapter change the answers
+    adapter = acting_adapter(lm.model)
     adapter.attach(merged=request.param.endswith("merged"))
     engine = RagEngine(lm, RagPrompt(), adapter=adapter, calibration=Calibration(0.8, 1.2))
     embed = as_embedder(lambda texts: np.ones((len(texts), 8), dtype=np.float32), name="constant")
