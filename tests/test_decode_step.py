@@ -68,9 +68,11 @@ def test_plain_calls_decode_through_the_step_and_others_through_the_forward(toke
     steps: list[int] = []
     original = DecodeStep.__call__
 
-    def counting(self: DecodeStep, tokens: list[int], position: int, cache: object, rows: int = 1) -> torch.Tensor:
+    def counting(
+        self: DecodeStep, tokens: list[int], position: int, cache: object, rows: int = 1, bucketed: bool = False
+    ) -> torch.Tensor:
         steps.append(position)
-        return original(self, tokens, position, cache, rows)
+        return original(self, tokens, position, cache, rows, bucketed)
 
     monkeypatch.setattr(DecodeStep, "__call__", counting)
     fused = pc.generate(prompt, max_new_tokens=5, keep_logits=5)

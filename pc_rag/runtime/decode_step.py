@@ -27,6 +27,7 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from pc_rag.attention import FLASH_CPU
 from pc_rag.kv import BufferCache
+from pc_rag.runtime.verify_attention import BucketedAttention, bucket_end
 from pc_rag.weights import KERNEL_ROWS, FusedKernel
 
 _ARCHITECTURES = {"llama", "mistral", "qwen2", "qwen3"}  # rotate-half RoPE on the whole head, RMSNorm, SiLU MLP
@@ -104,9 +105,10 @@ class DecodeStep:
     """``step(tokens, position, cache)``: the logits [T, V] after each of ``tokens`` (T <= ``STEP_ROWS``), the
     first at ``position``; they are written after the cache's tokens (the cache advances by T).
 
-    One token (plain decoding) and a token followed by drafts (speculative decoding) run the same shapes: the rows
-    are padded to ``STEP_ROWS`` and row ``t`` attends to the cache and rows ``< t`` through the same
-    ``cache_attention`` call as a one-token step at that length, so a row's logits are bit-identical either way.
+    One token and a token followed by drafts (speculative decoding) run the same shapes: the rows are padded to
+    ``STEP_ROWS``, and in a speculative request (``bucketed``) row ``t`` attends to the cache and rows ``< t`` in a
+    call whose shape depends on its slot only (``verify_attention``), so a row's logits are bit-identical whether
+    it was fed or drafted. Plain decoding attends its one row exactly (``cache_attention``).
     """
 
     def __init__(self, model: PreTrainedModel) -> None:
@@ -124,20 +126,32 @@ class DecodeStep:
         """Whether the step can write into ``cache``: one preallocated buffer, as ``KVBuffer.cache`` makes."""
         return isinstance(cache, BufferCache) and cache.buffer.keys.shape[1] == 1
 
-    def __call__(self, tokens: Sequence[int], position: int, cache: BufferCache, rows: int = STEP_ROWS) -> torch.Tensor:
+    def __call__(
+        self, tokens: Sequence[int], position: int, cache: BufferCache, rows: int = STEP_ROWS, bucketed: bool = False
+    ) -> torch.Tensor:
         """``rows``: the row count every matmul runs (the tokens, then padding): 1 for plain decoding, where a
         one-row GEMM is the fastest; ``STEP_ROWS`` for every step of a speculative request, so a verify row
-        equals the step without drafts bit for bit."""
+        equals the step without drafts bit for bit. ``bucketed``: the rows attend together in one call whose
+        shape depends on each row's slot only (``BucketedAttention``; every step of a speculative request),
+        instead of one exact call per row (plain decoding: the cheapest for one row)."""
         count = len(tokens)
         assert 0 < count <= rows <= STEP_ROWS, f"a step takes 1 to {rows} tokens, got {count}"
         length = cache.get_seq_length()
-        buffer = cache.gathered(room=count)
+        room = bucket_end(length + count - 1) - length if bucketed else count
+        buffer = cache.gathered(room=room)
         device = buffer.keys.device
         padded = [*tokens, *[tokens[0]] * (rows - count)]  # padding rows repeat row 0, never written back
         positions = [*range(position, position + count), *[position] * (rows - count)]
+        attention = None
+        if bucketed:
+            config = self._model.config.get_text_config()
+            n_rep = config.num_attention_heads // config.num_key_value_heads
+            attention = BucketedAttention(length, count, STEP_ROWS, n_rep, buffer.keys.dtype, device)
+            for tensor in (buffer.keys, buffer.values):  # finite past the step's tokens: masked, read as 0 * value
+                tensor[..., length + count : attention.end, :] = 0
         logits = self._logits(
             torch.tensor(padded, device=device)[:, None], torch.tensor(positions, device=device)[:, None],
-            buffer.keys, buffer.values, length, count,
+            buffer.keys, buffer.values, length, count, attention,
         )  # fmt: skip
         for layer in cache.layers:
             layer.advance(count)
@@ -145,7 +159,7 @@ class DecodeStep:
 
     def _logits(
         self, tokens: torch.Tensor, positions: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, length: int,
-        count: int,
+        count: int, attention: BucketedAttention | None,
     ) -> torch.Tensor:  # fmt: skip
         """Logits [count, V] after the first ``count`` of ``tokens`` [rows, 1]; writes their keys and values
         into ``keys``/``values`` [L, 1, H_kv, capacity, D] at slots ``length + t``."""
@@ -158,13 +172,18 @@ class DecodeStep:
             layer_keys[0, :, length : length + count] = k[:count, :, 0].transpose(0, 1)
             layer_values[0, :, length : length + count] = v[:count, :, 0].transpose(0, 1)
             scale = layer.layer.self_attn.scaling
-            seen = [length + t + 1 for t in range(count)]  # row t as a one-token step: the cache through its slot
-            attended = [
-                cache_attention(q[t : t + 1], layer_keys[:, :, :end], layer_values[:, :, :end], scale)
-                for t, end in enumerate(seen)
-            ]
-            attended += attended[:1] * (x.shape[0] - count)
-            x = layer.finish(x, torch.cat(attended))
+            if attention is not None:
+                attended = attention(q, layer_keys, layer_values, scale)  # [count, 1, H * D]
+                if x.shape[0] > count:
+                    attended = torch.cat([attended, attended[:1].expand(x.shape[0] - count, -1, -1)])
+            else:
+                seen = [length + t + 1 for t in range(count)]  # row t as a one-token step: the cache through its slot
+                rows = [
+                    cache_attention(q[t : t + 1], layer_keys[:, :, :end], layer_values[:, :, :end], scale)
+                    for t, end in enumerate(seen)
+                ]
+                attended = torch.cat(rows + rows[:1] * (x.shape[0] - count))
+            x = layer.finish(x, attended)
         return self._model.lm_head(rms_norm(decoder.norm, x))[:count, -1]
 
 

@@ -304,24 +304,27 @@ class ModelRunner:
     def verify(self, tokens: Sequence[int], position: int, cache: BufferCache, rows: int = STEP_ROWS) -> torch.Tensor:
         """The logits [T, V] after each of ``tokens`` (a fed token, then drafts; T <= ``rows`` <= ``STEP_ROWS``)
         from ``position``, all written after the cache's tokens (the cache advances by T; the caller crops rejected
-        drafts). Every step of a speculative request runs here, drafts or not, in ``rows`` rows: row t then equals
-        the step of ``tokens[t]`` alone after ``tokens[:t]`` in as many rows, bit for bit (``DecodeStep``), and in
-        any number of rows where ``rows_agree``."""
+        drafts). Every step of a speculative request runs here, drafts or not, in ``rows`` rows, its rows attending
+        in one call (``verify_attention``): row t then equals the step of ``tokens[t]`` alone after ``tokens[:t]``
+        in as many rows, bit for bit (``DecodeStep``), and in any number of rows where ``rows_agree``."""
         assert self.speculates, "verify runs the CPU's DecodeStep (CUDA graphs decode one token)"
         assert len(tokens) <= rows <= STEP_ROWS, f"{len(tokens)} tokens in a step of {rows} rows"
-        return self._eager(tokens, position, cache, rows=rows)
+        return self._eager(tokens, position, cache, rows=rows, bucketed=True)
 
-    def _eager(self, tokens: Sequence[int], position: int, cache: BufferCache, rows: int) -> torch.Tensor:
+    def _eager(
+        self, tokens: Sequence[int], position: int, cache: BufferCache, rows: int, bucketed: bool = False
+    ) -> torch.Tensor:
         step = DecodeStep.of(self.model)
         assert step is not None, "decode needs a model DecodeStep describes (see DecodeStep.serves)"
         self._count("fallback")  # eager: not the static path CUDA would replay
-        return step(tokens, position, cache, rows)
+        return step(tokens, position, cache, rows, bucketed)
 
     @cached_property
     def rows_agree(self) -> bool:
         """Whether a row of a several-row step gets the bits it gets in a one-row step, so a speculative step
-        without drafts can run one row and speculation still equals plain decoding bit for bit: every linear
-        layer is weight-only quantized with its CPU kernel (``weights.KERNEL_ROWS``; measured on AVX-512 and AVX2).
+        without drafts can run one row and speculation still equals the same steps without drafts bit for bit:
+        every linear layer is weight-only quantized with its CPU kernel (``weights.KERNEL_ROWS``; measured on
+        AVX-512 and AVX2).
         Not for dense float32 or bfloat16, whose GEMMs pick kernels by row count (MKL, oneDNN)."""
         linears = [m for m in self.model.modules() if isinstance(m, nn.Linear | QuantizedLinear)]
         return (
