@@ -29,10 +29,12 @@ class SamplingParams:
 
     ``keep_logits``: the result keeps the logits of the first that many decoding steps (fidelity metrics).
     ``speculative``: verify drafts looked up in the prompt with each decode step (``runtime.speculation``) where
-    the fused step runs. Its steps compute ``STEP_ROWS`` rows, drafts or not, so greedy output is bit-identical
-    to the same steps without drafts, and sampled output equally distributed; against one-row steps (off) it
-    differs by float rounding. Off by default: on the CPUs measured, a 4-row float32 step cost about as much as
-    the drafts it kept saved (docs/decoding.md).
+    the fused step runs. A speculative request's rows attend in calls of fixed shapes and its dense GEMMs run
+    ``STEP_ROWS`` rows, drafts or not, so greedy output is bit-identical to the same steps without drafts, and
+    sampled output equally distributed; against plain decoding (off) it differs by float rounding. ``None`` (the
+    default): on where it measured faster, int8 and int4 models on their CPU kernels
+    (``ModelRunner.speculates_by_default``); float32 and bfloat16 steps of 4 rows cost about what the drafts
+    they kept saved (docs/decoding.md).
     """
 
     max_new_tokens: int = 64
@@ -42,7 +44,7 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     keep_logits: int = 0
-    speculative: bool = False
+    speculative: bool | None = None
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -161,7 +163,8 @@ def decode_tokens(
     decoded = DecodedTokens([])
     runner = ModelRunner.of(model)
     fused = runner.serves(cache, call)
-    drafts = params.speculative and fused and runner.speculates
+    wanted = runner.speculates_by_default if params.speculative is None else params.speculative
+    drafts = wanted and fused and runner.speculates
     # a step runs as many rows as it has tokens where a row's bits do not depend on the row count (quantized
     # kernels, no adapter); elsewhere every step runs STEP_ROWS rows
     exact_rows = drafts and runner.rows_agree and call.is_plain

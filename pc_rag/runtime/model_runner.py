@@ -339,6 +339,13 @@ class ModelRunner:
         under CUDA graphs (nor their CPU bookkeeping mode) yet, whose decode bucket is one token."""
         return not self.static and self._static is not None
 
+    @property
+    def speculates_by_default(self) -> bool:
+        """Whether a request that leaves ``speculative`` unset speculates: where it measured faster, models whose
+        every linear layer runs a quantized CPU kernel (``rows_agree``: a step without drafts costs one row; int4
+        decode tokens/s with speculation over without, ``examples/results/answer_time_int4.json``)."""
+        return self.speculates and self.rows_agree
+
     def serves(self, cache: object, call: ModelCall = PLAIN) -> bool:
         """Whether ``decode`` can step ``cache`` under ``call``: a batch-one buffer cache of a model the fused step
         describes, and a call that adds no attention kwargs. A call's context (an adapter applied) is honoured:
