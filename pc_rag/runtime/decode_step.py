@@ -106,9 +106,9 @@ class DecodeStep:
     first at ``position``; they are written after the cache's tokens (the cache advances by T).
 
     One token and a token followed by drafts (speculative decoding) run the same shapes: the rows are padded to
-    ``STEP_ROWS``, and in a speculative request (``bucketed``) row ``t`` attends to the cache and rows ``< t`` in a
-    call whose shape depends on its slot only (``verify_attention``), so a row's logits are bit-identical whether
-    it was fed or drafted. Plain decoding attends its one row exactly (``cache_attention``).
+    ``STEP_ROWS``, and in a speculative request (``bucketed``) row ``t`` attends to the cache and rows ``< t`` as a
+    batch entry whose shape depends on its slot only (``verify_attention``), so a row's logits are bit-identical
+    whether it was fed or drafted. Dense plain decoding attends its one row in one exact call (``cache_attention``).
     """
 
     def __init__(self, model: PreTrainedModel) -> None:
@@ -131,9 +131,9 @@ class DecodeStep:
     ) -> torch.Tensor:
         """``rows``: the row count every matmul runs (the tokens, then padding): 1 for plain decoding, where a
         one-row GEMM is the fastest; ``STEP_ROWS`` for every step of a speculative request, so a verify row
-        equals the step without drafts bit for bit. ``bucketed``: the rows attend together in one call whose
-        shape depends on each row's slot only (``BucketedAttention``; every step of a speculative request),
-        instead of one exact call per row (plain decoding: the cheapest for one row)."""
+        equals the step without drafts bit for bit. ``bucketed``: the rows attend in one call, each as a batch
+        entry whose shape depends on its slot only (``BucketedAttention``: every step of a speculative request,
+        and plain steps that must equal it), instead of one exact call per row."""
         count = len(tokens)
         assert 0 < count <= rows <= STEP_ROWS, f"a step takes 1 to {rows} tokens, got {count}"
         length = cache.get_seq_length()
@@ -144,9 +144,7 @@ class DecodeStep:
         positions = [*range(position, position + count), *[position] * (rows - count)]
         attention = None
         if bucketed:
-            config = self._model.config.get_text_config()
-            n_rep = config.num_attention_heads // config.num_key_value_heads
-            attention = BucketedAttention(length, count, STEP_ROWS, n_rep, buffer.keys.dtype, device)
+            attention = BucketedAttention(length, count, buffer.keys.dtype, device)
             for tensor in (buffer.keys, buffer.values):  # finite past the step's tokens: masked, read as 0 * value
                 tensor[..., length + count : attention.end, :] = 0
         logits = self._logits(

@@ -1,20 +1,21 @@
-"""Attention of a speculative step's rows in one call, with bits that do not depend on where the step starts.
+"""Attention of a step's rows in one call, with bits that do not depend on where the step starts.
 
 A verify step attends its rows (the fed token and its drafts) to the cache. One flash call per row (the plain
-step's ``cache_attention``) reads the cache once per row: at 4K tokens that made a 4-row step's attention 2.6x a
-one-row step's. One call for all rows reads it once, but a row's bits then depend on the call's shape: the number
-of keys reduced over (the kernel's blocks, its vector loops' tails) and, on AVX2, the number of query rows (the
-GEMM kernel is chosen by it). So each row of a speculative request attends in a call whose shape is a function of
-its own slot only:
+step's ``cache_attention``) costs a call per row: in int4 at 4K tokens a 4-row step's attention took 65.8 ms
+against 25.4 ms for one row. One call for all rows must still give each row the bits it gets alone, or
+speculation would not equal plain decoding; but a flash call's bits depend on its shape: the number of keys it
+reduces over (the kernel's blocks, its vector loops' tails) and, on AVX2, the number of query rows (the GEMM
+kernel is chosen by it). So each row attends as a batch entry of its own, in a call of fixed per-entry shape:
 
 - keys: the cache up to the end of the row's bucket of ``BUCKET`` slots (``bucket_end``), masked past the row's
   own slot; the step zeroes the slots past its tokens first (masked out, a NaN left in memory would still poison
-  the sums: 0 times NaN is NaN);
-- queries: ``STEP_ROWS`` rows, the step's rows padded by repeating the first, so the kernel sees one row count.
+  the sums: 0 times NaN is NaN); the cache is expanded over the batch, not copied;
+- queries: the row's own heads, as in the one-row call.
 
-A row at slot p then gets the same bits in any step that computes it: as the fed token, as a draft, alone. Rows
-on both sides of a bucket boundary take one call per bucket (at most two). This module knows nothing about
-models beyond the attention tensors it is given.
+A row at slot p then gets the same bits as the fed token, as a draft, alone or beside others (a flash call
+computes each batch entry and head on its own). Rows on both sides of a bucket boundary take one call per
+bucket (at most two). A plain one-row step attends this way too where speculation must equal it bit for bit.
+This module knows nothing about models beyond the attention tensors it is given.
 """
 
 from __future__ import annotations
@@ -37,32 +38,28 @@ def bucket_end(slot: int) -> int:
 
 @dataclass(frozen=True)
 class _Call:
-    first: int  # the step rows first..first+count-1 attend in this call
+    first: int  # the step rows first..first+count-1 attend in this call, one batch entry each
     count: int
-    index: torch.Tensor  # [rows] the step rows the call's query rows take (padded with ``first``)
     end: int  # keys 0..end-1
-    mask: torch.Tensor  # [rows * n_rep, end] additive: 0 through each row's own slot, -inf past it
+    mask: torch.Tensor  # [count, 1, 1, end] additive: 0 through each row's own slot, -inf past it
 
 
 class BucketedAttention:
-    """The calls of one step: ``count`` rows at slots ``length, length + 1, ...``, each call ``rows`` query rows of
-    ``n_rep`` heads per KV head. Built once per step and applied in every layer."""
+    """The calls of one step: ``count`` rows at slots ``length, length + 1, ...``. Built once per step and
+    applied in every layer."""
 
-    def __init__(
-        self, length: int, count: int, rows: int, n_rep: int, dtype: torch.dtype, device: torch.device
-    ) -> None:
-        assert 0 < count <= rows, f"{count} rows in a call of {rows}"
+    def __init__(self, length: int, count: int, dtype: torch.dtype, device: torch.device) -> None:
+        assert count > 0, "a step attends at least one row"
         self.end = bucket_end(length + count - 1)
         self._calls: list[_Call] = []
         first = 0
         while first < count:
             end = bucket_end(length + first)
             members = [t for t in range(first, count) if bucket_end(length + t) == end]
-            index = [*members, *[first] * (rows - len(members))]
-            own = torch.tensor([length + t for t in index], device=device).repeat_interleave(n_rep)
-            visible = torch.arange(end, device=device)[None, :] <= own[:, None]
+            own = torch.tensor([length + t for t in members], device=device)
+            visible = torch.arange(end, device=device)[None, :] <= own[:, None]  # [count, end]
             mask = torch.zeros(visible.shape, dtype=dtype, device=device).masked_fill_(~visible, float("-inf"))
-            self._calls.append(_Call(first, len(members), torch.tensor(index, device=device), end, mask))
+            self._calls.append(_Call(first, len(members), end, mask[:, None, None, :]))
             first += len(members)
 
     def __call__(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
@@ -71,14 +68,12 @@ class BucketedAttention:
         kv_heads, head_dim = keys.shape[1], q.shape[-1]
         outs = []
         for call in self._calls:
-            rows = len(call.index)
-            folded = q[call.index].reshape(rows, kv_heads, -1, head_dim).transpose(0, 1)
-            folded = folded.reshape(1, kv_heads, -1, head_dim)  # [1, H_kv, rows * n_rep, D], row-major
-            k, v = keys[:, :, : call.end], values[:, :, : call.end]
+            folded = q[call.first : call.first + call.count].reshape(call.count, kv_heads, -1, head_dim)
+            k = keys[:, :, : call.end].expand(call.count, -1, -1, -1)  # one batch entry per row, the cache not copied
+            v = values[:, :, : call.end].expand(call.count, -1, -1, -1)
             if FLASH_CPU is not None and q.device.type == "cpu":
                 out = FLASH_CPU(folded, k, v, attn_mask=call.mask, scale=scale)[0]
             else:
                 out = F.scaled_dot_product_attention(folded, k, v, attn_mask=call.mask, scale=scale)
-            out = out.reshape(kv_heads, rows, -1, head_dim).transpose(0, 1).reshape(rows, 1, -1)
-            outs.append(out[: call.count])
+            outs.append(out.reshape(call.count, 1, -1))
         return outs[0] if len(outs) == 1 else torch.cat(outs)

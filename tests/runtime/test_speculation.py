@@ -106,22 +106,18 @@ def test_greedy_output_with_speculation_is_the_plain_output(tokenizer, arch: str
 
 @pytest.mark.parametrize("dtype", ["int8", "int4"])
 @pytest.mark.parametrize("arch", DESCRIBED)
-def test_quantized_speculation_runs_one_row_per_token_and_equals_its_steps_without_drafts(
+def test_quantized_speculation_is_plain_one_row_decoding_bit_for_bit(
     tokenizer, arch: str, dtype: str, monkeypatch
 ) -> None:
-    """With every linear layer on its quantized kernel, a row's bits do not depend on the step's row count: a step
-    runs as many rows as it has tokens, and speculative output equals the same steps without drafts in tokens and
-    in every step's logits (and plain one-row decoding within float rounding: its attention is one exact call per
-    row). Drafts come from an oracle that knows the answer: none, or 1 to 3 tokens, some ending in a wrong one (a
-    tiny random model rarely copies its prompt)."""
+    """With every linear layer on its quantized kernel, a row's bits do not depend on the step's row count, and a
+    plain step attends as a speculative row does: a step runs as many rows as it has tokens, and speculative output
+    equals one-row decoding in tokens and in every step's logits. Drafts come from an oracle that knows the plain
+    answer: none, or 1 to 3 tokens, some ending in a wrong one (a tiny random model rarely copies its prompt)."""
     pc = PromptCache(tiny_in(arch, dtype, tokenizer))
     assert ModelRunner.of(pc.lm.model).rows_agree
     pc.add_schema(Schema("s", (Module("doc", (Text("The red tower stands in Paris."),)),)))
     prompt = Prompt("s", (Import("doc"), Text(" Where is it?")))
-    one_row = pc.generate(prompt, max_new_tokens=40, keep_logits=40, speculative=False)
-    with monkeypatch.context() as patch:
-        patch.setattr(PromptLookup, "propose", lambda self, count: [])
-        plain = pc.generate(prompt, max_new_tokens=40, keep_logits=40, speculative=True)
+    plain = pc.generate(prompt, max_new_tokens=40, keep_logits=40, speculative=False)
     answer, starts, turns = plain.token_ids, {}, iter(range(10**6))
 
     def oracle(self: PromptLookup, count: int) -> list[int]:
@@ -142,14 +138,10 @@ def test_quantized_speculation_runs_one_row_per_token_and_equals_its_steps_witho
     monkeypatch.setattr(ModelRunner, "_eager", counted)
     fast = pc.generate(prompt, max_new_tokens=40, keep_logits=40, speculative=True)
     assert fast.token_ids == plain.token_ids
-    assert fast.step_logits is not None and plain.step_logits is not None and one_row.step_logits is not None
+    assert fast.step_logits is not None and plain.step_logits is not None
     assert torch.equal(fast.step_logits, plain.step_logits)
     assert fast.stats.accepted > 0 and fast.stats.accepted < fast.stats.drafted  # kept and rejected drafts
     assert set(steps) == {1, 2, 3, 4}  # each step ran as many rows as it had tokens
-    # bfloat16 activations: logits about 1% apart, so a near tie of a random model may flip a token; compare the
-    # steps before the first one that differs
-    shared = next((i for i, (a, b) in enumerate(zip(one_row.token_ids, plain.token_ids, strict=False)) if a != b), 40)
-    torch.testing.assert_close(one_row.step_logits[:shared], plain.step_logits[:shared], rtol=0, atol=0.2)
 
 
 def test_dense_models_keep_every_speculative_step_at_step_rows(tokenizer) -> None:

@@ -29,7 +29,7 @@ def test_buckets_end_on_multiples_of_the_bucket() -> None:
 def test_each_row_attends_as_the_exact_one_row_call(length: int, count: int) -> None:
     keys, values = _cache(bucket_end(length + count - 1), length + count)
     q = torch.randn(STEP_ROWS, KV_HEADS * N_REP, 1, HEAD_DIM)
-    attention = BucketedAttention(length, count, STEP_ROWS, N_REP, torch.float32, torch.device("cpu"))
+    attention = BucketedAttention(length, count, torch.float32, torch.device("cpu"))
     got = attention(q, keys, values, SCALE)
     want = torch.cat([
         cache_attention(q[t : t + 1], keys[:, :, : length + t + 1], values[:, :, : length + t + 1], SCALE)
@@ -50,7 +50,7 @@ def test_a_row_gets_the_same_bits_wherever_it_sits_in_a_step(slot: int) -> None:
         for count in range(t + 1, STEP_ROWS + 1):
             q = torch.randn(STEP_ROWS, KV_HEADS * N_REP, 1, HEAD_DIM)
             q[t] = own
-            attention = BucketedAttention(slot - t, count, STEP_ROWS, N_REP, torch.float32, torch.device("cpu"))
+            attention = BucketedAttention(slot - t, count, torch.float32, torch.device("cpu"))
             outs.append(attention(q, keys, values, SCALE)[t])
     assert len(outs) > 1
     assert all(torch.equal(out, outs[0]) for out in outs)
