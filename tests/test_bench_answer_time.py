@@ -7,6 +7,7 @@ import pytest
 from conftest import tiny_model
 
 from pc_rag.bench import llama_cpp_answers
+from pc_rag.bench.answer_rows import MAX_TOKENS
 from pc_rag.bench.answer_time import LLAMA_CPP_ROWS, AnswerRow, answer_workload, gates, run_answers, summary
 from pc_rag.hotpotqa_sample import sample_questions
 from pc_rag.rag import RagEngine
@@ -24,6 +25,13 @@ def test_a_workload_holds_its_questions_passages_first_and_about_the_target(engi
     first_title = question.passages[0][0]
     assert first_title in engine.lm.tokenizer.decode(list(work.chunks[0].token_ids))
     assert work.documents < len(work.ids)
+
+
+def test_a_workload_leaves_room_for_the_answer_within_the_models_positions(engine: RagEngine, monkeypatch) -> None:
+    monkeypatch.setattr(engine.lm.model.config, "max_position_embeddings", 700)
+    for question in sample_questions()[:3]:  # questions longer than the one the passage budget counts
+        work = answer_workload(engine, question, 8192)
+        assert 600 <= len(work.ids) <= 700 - MAX_TOKENS
 
 
 def test_every_row_is_timed_speculation_matches_plain_and_llama_cpp_says_why(engine: RagEngine, monkeypatch) -> None:

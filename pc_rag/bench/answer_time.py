@@ -26,7 +26,7 @@ import torch
 
 from pc_rag.bench.answer_rows import MAX_TOKENS, Answer, AnswerRow, line, measure
 from pc_rag.bench.llama_cpp_answers import LLAMA_CPP_ROWS, llama_cpp_rows, unavailable
-from pc_rag.bench.peers import passage_budget
+from pc_rag.bench.peers import QUESTION, passage_budget
 from pc_rag.hotpotqa_sample import SampleQuestion, sample_questions
 from pc_rag.rag.engine import Chunk, RagEngine
 from pc_rag.runtime.threads import use_free_cores
@@ -45,8 +45,12 @@ class AnswerWorkload:
 
 def answer_workload(engine: RagEngine, question: SampleQuestion, target: int) -> AnswerWorkload:
     """``question``'s passages first, then other sample passages, until the prompt holds about ``target``
-    tokens (the last passage cut)."""
-    budget = passage_budget(engine, target)
+    tokens (the last passage cut), and never so many that the answer would run past the model's positions."""
+    positions = engine.lm.model.config.get_text_config().max_position_embeddings
+    tail = {q: len(engine.tokenize(engine.prompt.tail(engine.wrappers, q))) for q in (question.question, QUESTION)}
+    longer_question = max(0, tail[question.question] - tail[QUESTION])  # than the one passage_budget counts
+    longest = positions - MAX_TOKENS - longer_question - 16  # 16: passages cut, decoded and tokenized again
+    budget = passage_budget(engine, min(target, longest))
     others = [p for q in sample_questions() if q.id != question.id for p in q.passages]
     texts: list[str] = []
     for title, body in [*question.passages, *others]:
