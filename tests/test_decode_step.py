@@ -14,7 +14,7 @@ from pc_rag.assemble import forward_new_tokens
 from pc_rag.engine import PromptCache
 from pc_rag.kv import allocate
 from pc_rag.pml.nodes import Import, Module, Prompt, Schema, Text
-from pc_rag.runtime.decode_step import DecodeStep
+from pc_rag.runtime.decode_step import DecodeStep, overridden
 from pc_rag.runtime.generate import SamplingParams, decode_tokens
 from pc_rag.runtime.model_call import ModelCall
 
@@ -123,3 +123,31 @@ def test_an_adapter_on_quantized_layers_acts_inside_the_step(tokenizer, merged: 
                 assert (fused - plain).abs().max() / scale > 5 * TOLERANCE["int4"]
     finally:
         adapter.detach()
+
+
+def test_a_merged_adapter_outside_its_block_leaves_the_fused_kernels_on(tokenizer) -> None:
+    """A merged adapter stays attached while a server runs every mode; outside ``applied()`` its layers are the
+    plain ones, so the step keeps the fused q/k/v kernel (one int4 call for three) and equals the plain step."""
+    lm = tiny_in("llama", "int4", tokenizer)
+    attn = lm.model.get_decoder().layers[0].self_attn
+    step = DecodeStep.of(lm.model)
+    assert step is not None
+    prompt = tokenizer("The tower stands in Paris and is tall.", add_special_tokens=False)["input_ids"]
+    buffers = [allocate(lm.model, len(prompt) + 8) for _ in range(2)]
+    with torch.inference_mode():
+        for buffer in buffers:
+            lm.model(input_ids=torch.tensor([prompt]), cache=buffer.cache(0), use_cache=True)
+        before = step([5], len(prompt), buffers[0].cache(len(prompt)))
+        adapter = acting_adapter(lm.model).attach(merged=True)
+        try:
+            assert not overridden(attn.q_proj, attn.k_proj, attn.v_proj)
+            with adapter.applied():
+                assert overridden(attn.q_proj, attn.k_proj, attn.v_proj)
+            with torch.profiler.profile() as profiler:
+                after = step([5], len(prompt), buffers[1].cache(len(prompt)))
+            calls = [e for e in profiler.key_averages() if e.key == "aten::_weight_int4pack_mm_for_cpu"]
+        finally:
+            adapter.detach()
+    assert torch.equal(before, after)
+    layers = len(lm.model.get_decoder().layers)
+    assert calls and calls[0].count == 4 * layers  # q/k/v, o, gate/up, down

@@ -200,9 +200,16 @@ def cache_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, s
 
 
 def overridden(*modules: nn.Module) -> bool:
-    """Whether something acts on one of ``modules`` beyond its class's forward: a forward hook, or a forward set
-    on the instance (``SpliceAdapter.attach(merged=True)``). A fused kernel would bypass it."""
-    return any("forward" in m.__dict__ or m._forward_hooks or m._forward_pre_hooks for m in modules)
+    """Whether something acts on one of ``modules`` now beyond its class's forward: a forward hook, or a forward
+    set on the instance (``SpliceAdapter.attach(merged=True)``) unless it says it does not act now (its ``acts()``
+    is False: a merged adapter outside its ``applied()`` calls the plain forward). A fused kernel would bypass it."""
+    for module in modules:
+        if module._forward_hooks or module._forward_pre_hooks:
+            return True
+        forward = module.__dict__.get("forward")
+        if forward is not None and getattr(forward, "acts", lambda: True)():
+            return True
+    return False
 
 
 def rms_norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
