@@ -22,6 +22,10 @@ from pc_rag.runtime.model_runner import ModelRunner
 from pc_rag.runtime.speculation import PromptLookup, accept
 from pc_rag.runtime.threads import adapt_threads_at
 
+DEFAULT_SPECULATION_CACHE = 4608
+"""Cached tokens up to which speculation left at its default drafts (``SamplingParams.speculative is None``):
+int4 answers measured faster with it at 1K and 4K tokens and slower at 8K (``answer_time_int4.json``)."""
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -31,10 +35,11 @@ class SamplingParams:
     ``speculative``: verify drafts looked up in the prompt with each decode step (``runtime.speculation``) where
     the fused step runs. A speculative request's rows attend in calls of fixed shapes and its dense GEMMs run
     ``STEP_ROWS`` rows, drafts or not, so greedy output is bit-identical to the same steps without drafts, and
-    sampled output equally distributed; against plain decoding (off) it differs by float rounding. ``None`` (the
-    default): on where it measured faster, int8 and int4 models on their CPU kernels
-    (``ModelRunner.speculates_by_default``); float32 and bfloat16 steps of 4 rows cost about what the drafts
-    they kept saved (docs/decoding.md).
+    sampled output equally distributed; against plain decoding (off) it differs by float rounding in float32 and
+    bfloat16 and not at all in int8 and int4. ``None`` (the default): on where it measured faster, int8 and int4
+    models on their CPU kernels (``ModelRunner.speculates_by_default``) with caches of up to
+    ``DEFAULT_SPECULATION_CACHE`` tokens; float32 and bfloat16 steps of 4 rows cost about what the drafts they
+    kept saved (docs/decoding.md).
     """
 
     max_new_tokens: int = 64
@@ -165,6 +170,9 @@ def decode_tokens(
     fused = runner.serves(cache, call)
     wanted = runner.speculates_by_default if params.speculative is None else params.speculative
     drafts = wanted and fused and runner.speculates
+    # unless asked for, drafts stop past the longest cache where they measured faster: each draft row attends
+    # to the whole cache, so at 8K a verify step cost more than its kept drafts saved
+    longest = DEFAULT_SPECULATION_CACHE if params.speculative is None else None
     # a step runs as many rows as it has tokens where a row's bits do not depend on the row count (quantized
     # kernels, no adapter); elsewhere every step runs STEP_ROWS rows
     exact_rows = drafts and runner.rows_agree and call.is_plain
@@ -210,7 +218,9 @@ def decode_tokens(
                 if lookup is not None:
                     lookup.append(token)
             fed = picked[-1]  # the one token of the step not yet in the cache
-            proposed = lookup.propose(min(STEP_ROWS - 1, params.max_new_tokens - emitted - 1)) if lookup else []
+            proposed = []
+            if lookup is not None and (longest is None or cache.get_seq_length() <= longest):
+                proposed = lookup.propose(min(STEP_ROWS - 1, params.max_new_tokens - emitted - 1))
             logits = forward([fed, *proposed], next_position + emitted - 1)
             if not proposed:
                 keep(emitted, logits[0])

@@ -15,6 +15,7 @@ from pc_rag.assemble import forward_new_tokens
 from pc_rag.engine import PromptCache
 from pc_rag.kv import allocate
 from pc_rag.pml.nodes import Import, Module, Prompt, Schema, Text
+from pc_rag.runtime import generate
 from pc_rag.runtime.decode_step import STEP_ROWS
 from pc_rag.runtime.generate import SamplingParams, probabilities
 from pc_rag.runtime.model_runner import ModelRunner
@@ -222,3 +223,23 @@ def test_sampled_generation_on_a_tiny_model_keeps_plain_samplings_distribution(t
     dof = max(len(common) - 1, 1)
     z = ((stat / dof) ** (1 / 3) - (1 - 2 / (9 * dof))) / math.sqrt(2 / (9 * dof))
     assert 0.5 * math.erfc(z / math.sqrt(2)) > 1e-3, f"chi-square {stat:.1f} on {dof} degrees of freedom"
+
+
+def test_speculation_is_on_by_default_for_quantized_models_up_to_its_cache_length(tokenizer, monkeypatch) -> None:
+    """Left unset, speculation runs where it measured faster: int8/int4 kernels, caches up to
+    ``DEFAULT_SPECULATION_CACHE`` tokens (past it each draft row's attention costs more than it saves); asked for,
+    it drafts at any length; dense models decode plainly unless asked."""
+    monkeypatch.setattr(PromptLookup, "propose", lambda self, count: [7, 8, 9][:count])  # a draft every step
+    schema = Schema("s", (Module("doc", (Text("The red tower. The red tower. The red tower."),)),))
+    prompt = Prompt("s", (Import("doc"), Text(" The red")))
+    quantized = PromptCache(tiny_in("llama", "int4", tokenizer))
+    quantized.add_schema(schema)
+    unlimited = quantized.generate(prompt, max_new_tokens=12).stats
+    assert unlimited.drafted > 0  # drafts were verified (a random model rejects them)
+    monkeypatch.setattr(generate, "DEFAULT_SPECULATION_CACHE", 4)  # shorter than the prompt's cache
+    assert quantized.generate(prompt, max_new_tokens=12).stats.drafted == 0
+    assert quantized.generate(prompt, max_new_tokens=12, speculative=True).stats.drafted == unlimited.drafted
+    dense = PromptCache(tiny_model("llama", tokenizer))
+    dense.add_schema(schema)
+    assert dense.generate(prompt, max_new_tokens=12).stats.drafted == 0
+    assert dense.generate(prompt, max_new_tokens=12, speculative=True).stats.drafted > 0
