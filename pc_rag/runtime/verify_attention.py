@@ -26,9 +26,10 @@ import torch
 import torch.nn.functional as F
 
 from pc_rag.attention import FLASH_CPU
+from pc_rag.runtime.arena import CAPACITY_STEP
 
-BUCKET = 64
-"""Key slots per bucket: a multiple of every CPU vector width (8 floats on AVX2, 16 on AVX-512)."""
+BUCKET = CAPACITY_STEP
+"""Key slots per bucket: the private arena's capacity step, a multiple of every CPU vector width."""
 
 
 def bucket_end(slot: int) -> int:
