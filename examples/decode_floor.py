@@ -1,11 +1,11 @@
 """One decode step against its floor: the bytes a step must read over the bandwidth this machine reads at.
 
 A decode step reads every weight once and the whole KV cache once, so its time cannot go below
-(weight bytes + KV bytes) / read bandwidth. This script serves a cached answer (``naive``, the ``ask`` prompt
-on a bundled sample question padded to each length, EOS ignored so every answer has ``--tokens`` steps), times
-each decode step (``DecodeStep``: the step every mode runs on CPU), profiles ``--profile`` of them with
-``torch.profiler`` and reports the gap to the floor with the ops that take the time. Bandwidth is measured here,
-as the median of summing a 1 GiB float32 tensor with the same threads.
+(weight bytes + KV bytes) / read bandwidth. This script serves a cached answer (each ``--mode``, ``naive`` by
+default; the ``ask`` prompt on a bundled sample question padded to each length, EOS ignored so every answer has
+``--tokens`` steps), times each decode step (``DecodeStep``: the step every mode runs on CPU), profiles
+``--profile`` of them with ``torch.profiler`` and reports the gap to the floor with the ops that take the time.
+Bandwidth is measured here, as the median of summing a 1 GiB float32 tensor with the same threads.
 
     python examples/decode_floor.py --dtype float32 --dtype int4 --tokens-context 1024,4096 \
         --json examples/results/decode_floor_xeon.json
@@ -18,6 +18,7 @@ import json
 import statistics
 import subprocess
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -100,17 +101,27 @@ class StepTimer:
         DecodeStep.__call__ = self._original  # type: ignore[method-assign]
 
 
-def measure(dtype: str, contexts: list[int], tokens: int, profiled: int, bandwidth: float) -> list[dict]:
+def measure(
+    dtype: str,
+    contexts: list[int],
+    tokens: int,
+    profiled: int,
+    bandwidth: float,
+    modes: list[str],
+    speculative: bool | None = None,
+) -> list[dict]:
     lm = load_model(dtype=dtype)
     engine = RagEngine(lm)
     engine.stop_ids = frozenset()  # every answer runs all its steps
     rows = []
-    for target in contexts:
+    for target, mode in ((t, m) for t in contexts for m in modes):
         work = answer_workload(engine, sample_questions()[0], target)
         timer = StepTimer(profiled)
-        engine.answer(work.chunks, work.question.question, "naive", max_new_tokens=tokens)  # warm-up
+        answer = partial(engine.answer, work.chunks, work.question.question, mode, max_new_tokens=tokens,
+                         speculative=speculative)  # fmt: skip
+        answer()  # warm-up
         with timer:
-            engine.answer(work.chunks, work.question.question, "naive", max_new_tokens=tokens)
+            answer()
         times, prof = timer.times, timer.profiler
         step_ms = statistics.median(times[2:]) * 1000
         weights, kv = weight_bytes(lm.model), kv_bytes(lm.model, len(work.ids) + tokens // 2, lm.dtype)
@@ -119,13 +130,13 @@ def measure(dtype: str, contexts: list[int], tokens: int, profiled: int, bandwid
         ops = sorted(averages, key=lambda e: e.self_cpu_time_total, reverse=True)[:8]
         ops_ms = sum(e.self_cpu_time_total for e in averages) / 1000 / profiled  # the rest: Python between ops
         row = {
-            "dtype": dtype, "context_tokens": len(work.ids), "step_ms": step_ms, "steps": len(times),
+            "dtype": dtype, "mode": mode, "context_tokens": len(work.ids), "step_ms": step_ms, "steps": len(times),
             "weight_bytes": weights, "kv_bytes": kv, "bandwidth_gb_s": bandwidth, "floor_ms": floor_ms,
             "gap": step_ms / floor_ms, "ops_ms": ops_ms, "threads": torch.get_num_threads(),
             "top_ops": [{"op": e.key, "self_ms_per_step": e.self_cpu_time_total / 1000 / profiled,
                          "calls_per_step": e.count / profiled} for e in ops],
         }  # fmt: skip
-        print(f"{dtype:>8} {row['context_tokens']:>6} tok: step {step_ms:6.1f} ms, floor {floor_ms:5.1f} ms "
+        print(f"{dtype:>8} {mode:>6} {row['context_tokens']:>6} tok: step {step_ms:6.1f} ms, floor {floor_ms:5.1f} ms "
               f"({(weights + kv) / 1e6:.0f} MB at {bandwidth:.1f} GB/s), gap {row['gap']:.1f}x; "
               f"ops {ops_ms:.1f} ms/step")  # fmt: skip
         for op in row["top_ops"]:
@@ -140,6 +151,8 @@ def main() -> None:
     parser.add_argument("--tokens-context", default="1024,4096", help="comma-separated prompt lengths")
     parser.add_argument("--tokens", type=int, default=24, help="decode steps per answer")
     parser.add_argument("--profile", type=int, default=10, help="steps profiled")
+    parser.add_argument("--mode", action="append", help="serving modes (repeat); default naive")
+    parser.add_argument("--speculative", choices=("on", "off"), help="default: the runtime's choice")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
@@ -148,8 +161,13 @@ def main() -> None:
     contexts = [int(t) for t in args.tokens_context.split(",")]
     bandwidth = read_bandwidth_gb_s()
     print(f"read bandwidth: {bandwidth:.1f} GB/s with {torch.get_num_threads()} threads")
-    rows = [r for dtype in args.dtype or ["float32"] for r in measure(dtype, contexts, args.tokens, args.profile,
-                                                                     bandwidth)]  # fmt: skip
+    modes = args.mode or ["naive"]
+    speculative = None if args.speculative is None else args.speculative == "on"
+    rows = [
+        row
+        for dtype in args.dtype or ["float32"]
+        for row in measure(dtype, contexts, args.tokens, args.profile, bandwidth, modes, speculative)
+    ]
     if args.json:
         commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=False).stdout
         args.json.write_text(json.dumps({"machine": machine(), "commit": commit.strip(), "rows": rows}, indent=1)

@@ -125,15 +125,17 @@ def test_an_adapter_on_quantized_layers_acts_inside_the_step(tokenizer, merged: 
         adapter.detach()
 
 
-def test_a_merged_adapter_outside_its_block_leaves_the_fused_kernels_on(tokenizer) -> None:
+def test_a_merged_adapter_keeps_the_fused_kernels_on_inside_and_outside_its_block(tokenizer) -> None:
     """A merged adapter stays attached while a server runs every mode; outside ``applied()`` its layers are the
-    plain ones, so the step keeps the fused q/k/v kernel (one int4 call for three) and equals the plain step."""
+    plain ones, so the step keeps the fused q/k/v kernel (one int4 call for three) and equals the plain step.
+    Inside, the fused kernel still runs, with the adapter's low-rank term added to ``q_proj``'s rows (the default
+    mode decodes as fast as ``naive``), and the step equals the one that calls the adapted modules."""
     lm = tiny_in("llama", "int4", tokenizer)
     attn = lm.model.get_decoder().layers[0].self_attn
     step = DecodeStep.of(lm.model)
     assert step is not None
     prompt = tokenizer("The tower stands in Paris and is tall.", add_special_tokens=False)["input_ids"]
-    buffers = [allocate(lm.model, len(prompt) + 8) for _ in range(2)]
+    buffers = [allocate(lm.model, len(prompt) + 8) for _ in range(4)]
     with torch.inference_mode():
         for buffer in buffers:
             lm.model(input_ids=torch.tensor([prompt]), cache=buffer.cache(0), use_cache=True)
@@ -145,9 +147,28 @@ def test_a_merged_adapter_outside_its_block_leaves_the_fused_kernels_on(tokenize
                 assert overridden(attn.q_proj, attn.k_proj, attn.v_proj)
             with torch.profiler.profile() as profiler:
                 after = step([5], len(prompt), buffers[1].cache(len(prompt)))
+                with adapter.applied():
+                    adapted = step([5], len(prompt), buffers[2].cache(len(prompt)))
+            with adapter.applied(), _unfused(step):
+                modules = step([5], len(prompt), buffers[3].cache(len(prompt)))
             calls = [e for e in profiler.key_averages() if e.key == "aten::_weight_int4pack_mm_for_cpu"]
         finally:
             adapter.detach()
     assert torch.equal(before, after)
     layers = len(lm.model.get_decoder().layers)
-    assert calls and calls[0].count == 4 * layers  # q/k/v, o, gate/up, down
+    assert calls and calls[0].count == 2 * 4 * layers  # q/k/v, o, gate/up, down; adapter off, then on
+    assert not torch.equal(adapted, after)
+    torch.testing.assert_close(adapted, modules, rtol=0, atol=5e-2 * modules.abs().max().item())
+
+
+@contextmanager
+def _unfused(step: DecodeStep) -> Iterator[None]:
+    """The step with its fused kernels taken away: every projection runs as its module."""
+    kept = [(layer.qkv, layer.gate_up) for layer in step._layers]
+    for layer in step._layers:
+        layer.qkv = layer.gate_up = None
+    try:
+        yield
+    finally:
+        for layer, (qkv, gate_up) in zip(step._layers, kept, strict=True):
+            layer.qkv, layer.gate_up = qkv, gate_up

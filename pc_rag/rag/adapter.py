@@ -28,7 +28,7 @@ import contextvars
 import hashlib
 import json
 import math
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -157,7 +157,16 @@ class SpliceAdapter(nn.Module):
                 return adapted(x, side)
             return torch.cat((plain(x[:, :skip]), adapted(x[:, skip:], side)), dim=1)
 
-        forward.acts = lambda: self._state() is not None  # type: ignore[attr-defined]  # decode_step.overridden
+        def kernel_correction() -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None:
+            state = self._state()
+            if state is None or state[1] or not isinstance(linear, QuantizedLinear):
+                return None  # off, or plain rows lead the call: only the module can split them
+            a, b = pairs[state[0]]
+            return lambda out, x: kernel_plus_low_rank(out, x, a, b)
+
+        # decode_step.kernel_corrections: whether this forward acts now, and what it adds to a kernel's rows
+        forward.acts = lambda: self._state() is not None  # type: ignore[attr-defined]
+        forward.kernel_correction = kernel_correction  # type: ignore[attr-defined]
         linear.forward = forward
         self._merged.append(linear)
 

@@ -28,7 +28,7 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 from pc_rag.attention import FLASH_CPU
 from pc_rag.kv import BufferCache
 from pc_rag.runtime.verify_attention import BucketedAttention, bucket_end
-from pc_rag.weights import KERNEL_ROWS, FusedKernel
+from pc_rag.weights import KERNEL_ROWS, FusedKernel, QuantizedLinear
 
 _ARCHITECTURES = {"llama", "mistral", "qwen2", "qwen3"}  # rotate-half RoPE on the whole head, RMSNorm, SiLU MLP
 _BUILT: weakref.WeakKeyDictionary[nn.Module, dict[type, object]] = weakref.WeakKeyDictionary()
@@ -54,8 +54,9 @@ class FusedLayer:
     ``project`` and ``finish`` are the layer around its attention, for ``x`` [N, T, hidden] (N sequences of T
     tokens): every step written out here (one token, a batch of rows, a padded bucket of tokens) calls them and
     differs only in how it attends. ``fused``: use the fused kernels (quantized layers, at most
-    ``weights.KERNEL_ROWS`` rows) where no hook or merged adapter acts on one of the layers they join; those run
-    as their modules, so the adapter acts inside the step as in the model's forward."""
+    ``weights.KERNEL_ROWS`` rows), with a merged adapter's low-rank term added to the rows of the layer it acts on
+    (``kernel_corrections``); where a hook acts on one of the layers they join, those run as their modules, so it
+    acts inside the step as in the model's forward."""
 
     def __init__(self, layer: nn.Module) -> None:
         self.layer = layer
@@ -71,10 +72,7 @@ class FusedLayer:
         attn = layer.self_attn
         rows, count, head_dim = x.shape[0], x.shape[1], attn.head_dim
         h = rms_norm(layer.input_layernorm, x)
-        if fused and self.qkv is not None and not overridden(attn.q_proj, attn.k_proj, attn.v_proj):
-            q, k, v = self.qkv(h)
-        else:
-            q, k, v = attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)
+        q, k, v = _through(self.qkv if fused else None, (attn.q_proj, attn.k_proj, attn.v_proj), h)
         q, k = q.view(rows, count, -1, head_dim), k.view(rows, count, -1, head_dim)
         if hasattr(attn, "q_norm"):  # Qwen3 normalizes each head's query and key
             q, k = rms_norm(attn.q_norm, q), rms_norm(attn.k_norm, k)
@@ -88,11 +86,18 @@ class FusedLayer:
         mlp = layer.mlp
         x = x + layer.self_attn.o_proj(attended)
         h = rms_norm(layer.post_attention_layernorm, x)
-        if fused and self.gate_up is not None and not overridden(mlp.gate_proj, mlp.up_proj):
-            gate, up = self.gate_up(h)
-        else:
-            gate, up = mlp.gate_proj(h), mlp.up_proj(h)
+        gate, up = _through(self.gate_up if fused else None, (mlp.gate_proj, mlp.up_proj), h)
         return x + mlp.down_proj(F.silu(gate) * up)
+
+
+def _through(kernel: FusedKernel | None, modules: Sequence[nn.Module], h: torch.Tensor) -> list[torch.Tensor]:
+    """Each of ``modules``' output for ``h``: one fused kernel call, with what acts on a module added to its rows
+    (a merged adapter's low-rank term), or each module called where something acts that a kernel's rows cannot
+    take (a hook)."""
+    corrections = kernel_corrections(*modules) if kernel is not None else None
+    if kernel is None or corrections is None:
+        return [module(h) for module in modules]
+    return [out if fix is None else fix(out, h) for out, fix in zip(kernel(h), corrections, strict=True)]
 
 
 STEP_ROWS = KERNEL_ROWS
@@ -199,17 +204,42 @@ def cache_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, s
     return out.reshape(1, 1, -1)
 
 
-def overridden(*modules: nn.Module) -> bool:
-    """Whether something acts on one of ``modules`` now beyond its class's forward: a forward hook, or a forward
-    set on the instance (``SpliceAdapter.attach(merged=True)``) unless it says it does not act now (its ``acts()``
-    is False: a merged adapter outside its ``applied()`` calls the plain forward). A fused kernel would bypass it."""
+Correction = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def kernel_corrections(*modules: nn.Module) -> list[Correction | None] | None:
+    """What acts on each of ``modules`` now beyond its class's forward, as a correction ``fix(out, x)`` of the
+    rows a fused kernel computed for it (None where nothing acts); None where something acts that a kernel's
+    rows cannot take: a forward hook, or a forward set on the instance without a ``kernel_correction()`` for this
+    call. A forward that says it does not act now (``acts()`` False: a merged adapter outside its ``applied()``)
+    counts as nothing; a merged splice adapter on a quantized layer gives its low-rank term
+    (``SpliceAdapter.attach(merged=True)``), row for row as the module would add it."""
+    found: list[Correction | None] = []
     for module in modules:
         if module._forward_hooks or module._forward_pre_hooks:
-            return True
+            return None
         forward = module.__dict__.get("forward")
-        if forward is not None and getattr(forward, "acts", lambda: True)():
-            return True
-    return False
+        if forward is None or not getattr(forward, "acts", lambda: True)():
+            found.append(None)
+            continue
+        correction = getattr(forward, "kernel_correction", lambda: None)()
+        if correction is None:
+            return None
+        found.append(correction)
+    return found
+
+
+def overridden(*modules: nn.Module) -> bool:
+    """Whether something acts on one of ``modules`` now beyond its class's forward (see ``kernel_corrections``)."""
+    corrections = kernel_corrections(*modules)
+    return corrections is None or any(fix is not None for fix in corrections)
+
+
+def rows_exact(model: PreTrainedModel) -> bool:
+    """Whether, under the calling thread's context, whatever acts on the decoder's linear layers gives a row the
+    same bits in a step of any row count: nothing, or merged adapters' padded low-rank terms (not a hook's)."""
+    linears = [m for m in model.get_decoder().layers.modules() if isinstance(m, nn.Linear | QuantizedLinear)]
+    return kernel_corrections(*linears) is not None
 
 
 def rms_norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:

@@ -16,7 +16,7 @@ from tokenizers.decoders import DecodeStream
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from transformers.cache_utils import Cache
 
-from pc_rag.runtime.decode_step import STEP_ROWS
+from pc_rag.runtime.decode_step import STEP_ROWS, rows_exact
 from pc_rag.runtime.model_call import PLAIN, ModelCall, with_cache
 from pc_rag.runtime.model_runner import ModelRunner
 from pc_rag.runtime.speculation import PromptLookup, accept
@@ -174,8 +174,11 @@ def decode_tokens(
     # to the whole cache, so at 8K a verify step cost more than its kept drafts saved
     longest = DEFAULT_SPECULATION_CACHE if params.speculative is None else None
     # a step runs as many rows as it has tokens where a row's bits do not depend on the row count (quantized
-    # kernels, no adapter); elsewhere every step runs STEP_ROWS rows
-    exact_rows = drafts and runner.rows_agree and call.is_plain
+    # kernels, and no adapter or a merged one); elsewhere every step runs STEP_ROWS rows
+    exact_rows = False
+    if drafts and runner.rows_agree:
+        with call.context():
+            exact_rows = rows_exact(model)
 
     def keep(step: int, logits: torch.Tensor) -> None:
         if step < params.keep_logits:

@@ -8,16 +8,19 @@ from collections import Counter
 
 import pytest
 import torch
-from conftest import TINY_CONFIGS, tiny_model
+from conftest import TINY_CONFIGS, acting_adapter, tiny_model
 from test_weights import tiny_in
+from transformers import PreTrainedModel
 
 from pc_rag.assemble import forward_new_tokens
 from pc_rag.engine import PromptCache
 from pc_rag.kv import allocate
 from pc_rag.pml.nodes import Import, Module, Prompt, Schema, Text
+from pc_rag.rag.adapter import SpliceAdapter
 from pc_rag.runtime import generate
 from pc_rag.runtime.decode_step import STEP_ROWS
 from pc_rag.runtime.generate import SamplingParams, probabilities
+from pc_rag.runtime.model_call import ModelCall
 from pc_rag.runtime.model_runner import ModelRunner
 from pc_rag.runtime.speculation import PromptLookup, accept
 from pc_rag.runtime.verify_attention import BUCKET
@@ -105,6 +108,22 @@ def test_greedy_output_with_speculation_is_the_plain_output(tokenizer, arch: str
     assert accepted > 0  # drafts were kept: the test compared real speculation
 
 
+def _oracle(answer: list[int], vocab: int):
+    """``PromptLookup.propose`` from an oracle that knows the plain answer: no draft, or 1 to 3 tokens, some
+    ending in a wrong one (a tiny random model rarely copies its prompt)."""
+    starts: dict[int, int] = {}
+    turns = iter(range(10**6))
+
+    def propose(self: PromptLookup, count: int) -> list[int]:
+        emitted = self._length - starts.setdefault(id(self), self._length - 1)
+        right = answer[emitted : emitted + count]
+        turn = next(turns) % 5  # none, 3 right, 1 right, 1 right then 1 wrong, 2 right then 1 wrong
+        draft = [[], right, right[:1], right[:2], right][turn]
+        return draft if turn < 3 or not draft else [*draft[:-1], (draft[-1] + 1) % vocab]
+
+    return propose
+
+
 @pytest.mark.parametrize("dtype", ["int8", "int4"])
 @pytest.mark.parametrize("arch", DESCRIBED)
 def test_quantized_speculation_is_plain_one_row_decoding_bit_for_bit(
@@ -113,21 +132,12 @@ def test_quantized_speculation_is_plain_one_row_decoding_bit_for_bit(
     """With every linear layer on its quantized kernel, a row's bits do not depend on the step's row count, and a
     plain step attends as a speculative row does: a step runs as many rows as it has tokens, and speculative output
     equals one-row decoding in tokens and in every step's logits. Drafts come from an oracle that knows the plain
-    answer: none, or 1 to 3 tokens, some ending in a wrong one (a tiny random model rarely copies its prompt)."""
+    answer (``_oracle``)."""
     pc = PromptCache(tiny_in(arch, dtype, tokenizer))
     assert ModelRunner.of(pc.lm.model).rows_agree
     pc.add_schema(Schema("s", (Module("doc", (Text("The red tower stands in Paris."),)),)))
     prompt = Prompt("s", (Import("doc"), Text(" Where is it?")))
     plain = pc.generate(prompt, max_new_tokens=40, keep_logits=40, speculative=False)
-    answer, starts, turns = plain.token_ids, {}, iter(range(10**6))
-
-    def oracle(self: PromptLookup, count: int) -> list[int]:
-        emitted = self._length - starts.setdefault(id(self), self._length - 1)
-        right = answer[emitted : emitted + count]
-        turn = next(turns) % 5  # none, 3 right, 1 right, 1 right then 1 wrong, 2 right then 1 wrong
-        draft = [[], right, right[:1], right[:2], right][turn]
-        return draft if turn < 3 or not draft else [*draft[:-1], (draft[-1] + 1) % len(tokenizer)]
-
     steps: Counter[int] = Counter()
     eager = ModelRunner._eager
 
@@ -135,7 +145,7 @@ def test_quantized_speculation_is_plain_one_row_decoding_bit_for_bit(
         steps[rows] += 1
         return eager(self, tokens, position, cache, rows, bucketed)
 
-    monkeypatch.setattr(PromptLookup, "propose", oracle)
+    monkeypatch.setattr(PromptLookup, "propose", _oracle(plain.token_ids, len(tokenizer)))
     monkeypatch.setattr(ModelRunner, "_eager", counted)
     fast = pc.generate(prompt, max_new_tokens=40, keep_logits=40, speculative=True)
     assert fast.token_ids == plain.token_ids
@@ -143,6 +153,57 @@ def test_quantized_speculation_is_plain_one_row_decoding_bit_for_bit(
     assert torch.equal(fast.step_logits, plain.step_logits)
     assert fast.stats.accepted > 0 and fast.stats.accepted < fast.stats.drafted  # kept and rejected drafts
     assert set(steps) == {1, 2, 3, 4}  # each step ran as many rows as it had tokens
+
+
+@pytest.mark.parametrize("dtype", ["int8", "int4"])
+def test_speculation_under_a_merged_adapter_is_plain_one_row_decoding_bit_for_bit(
+    tokenizer, dtype: str, monkeypatch
+) -> None:
+    """The default mode decodes with its merged splice adapter applied: the fused kernels run with the adapter's
+    padded low-rank term added to their rows (4 quantized calls per layer, as without it), so a row's bits still do
+    not depend on the row count: each step runs as many rows as it has tokens and speculation equals one-row
+    decoding. A hooked (trainable) adapter's term is a plain GEMM: there every speculative step runs
+    ``STEP_ROWS`` rows."""
+    lm = tiny_in("llama", dtype, tokenizer)
+    prompt = tokenizer("The red tower stands in Paris. Where is it?", add_special_tokens=False)["input_ids"]
+    steps: Counter[int] = Counter()
+    eager = ModelRunner._eager
+
+    def counted(self, tokens, position, cache, rows, bucketed=False):
+        steps[rows] += 1
+        return eager(self, tokens, position, cache, rows, bucketed)
+
+    monkeypatch.setattr(ModelRunner, "_eager", counted)
+    for merged in (True, False):
+        adapter = acting_adapter(lm.model).attach(merged=merged)
+        try:
+            answer, plain = _decode_under(adapter, lm.model, prompt, speculative=False)
+            steps.clear()
+            with monkeypatch.context() as patch:
+                patch.setattr(PromptLookup, "propose", _oracle(answer, len(tokenizer)))
+                tokens, fast = _decode_under(adapter, lm.model, prompt, speculative=True)
+        finally:
+            adapter.detach()
+        assert 0 < fast.accepted < fast.drafted  # kept and rejected drafts
+        if merged:
+            assert tokens == answer
+            assert torch.equal(torch.stack(fast.step_logits), torch.stack(plain.step_logits))
+            assert set(steps) == {1, 2, 3, 4}  # each step ran as many rows as it had tokens
+        else:
+            assert set(steps) == {STEP_ROWS}
+
+
+def _decode_under(
+    adapter: SpliceAdapter, model: PreTrainedModel, prompt: list[int], speculative: bool
+) -> tuple[list[int], generate.DecodedTokens]:
+    """The greedy answer to ``prompt`` with ``adapter`` applied to every model call (as the default mode runs)."""
+    buffer = allocate(model, len(prompt) + 48)
+    with torch.inference_mode(), adapter.applied():
+        logits, cache = forward_new_tokens(model, buffer, 0, prompt, range(len(prompt)))
+    params = SamplingParams(max_new_tokens=30, keep_logits=30, speculative=speculative)
+    call = ModelCall(context=adapter.applied)
+    decoded = generate.decode_tokens(model, cache, logits, len(prompt), params, frozenset(), call)
+    return list(decoded), decoded
 
 
 def test_dense_models_keep_every_speculative_step_at_step_rows(tokenizer) -> None:
