@@ -10,9 +10,11 @@ A row's logits do not depend on who else decodes: alone or at any place in any b
 a row gets the same bits, on AVX-512 and on AVX2-only CPUs, at 1 to 16 threads (matmul rows padded to
 ``partition_attention.ROW_MULTIPLE``, private capacities in steps of ``CAPACITY_STEP``, and a merge of
 elementwise operations: ``partition_attention._merge``). Two exceptions: rows that read different segments can
-split a run (``_runs``: then equal to fp32 rounding), and int8/int4 models, whose linear layers take the fused
-kernels up to ``KERNEL_ROWS`` padded rows and the dense bfloat16 copy past them: a row alone and in a batch of
-more than ``KERNEL_ROWS`` rows then differ by bfloat16 rounding (under 1% per layer), which can flip a near tie.
+split a run (``_runs``: then equal to fp32 rounding). int8/int4 models take their fused kernels ``KERNEL_ROWS``
+rows at a time at any batch size (a row's bits depend only on the call's row count, which is the same alone), so
+they keep the rule too; on the 2-core Xeon VM the kernels in groups of 4 took 48 / 92 / 183 ms per step for 8 /
+16 / 32 rows' projections against the dense bfloat16 copy's 88 / 152 / 180 (a CPU without bfloat16 arithmetic,
+where the dense copy multiplies in float32).
 """
 
 from __future__ import annotations
@@ -24,10 +26,9 @@ import torch
 from transformers import PreTrainedModel
 
 from pc_rag.runtime.arena import CAPACITY_STEP, PrivateArena
-from pc_rag.runtime.decode_step import FusedLayer, built_once, rms_norm
+from pc_rag.runtime.decode_step import FusedLayer, built_once, by_kernel_rows, rms_norm
 from pc_rag.runtime.partition_attention import SharedRun, padded_rows, partition_attention, private_mask
 from pc_rag.runtime.shared_pool import Segment, SharedKVPool
-from pc_rag.weights import KERNEL_ROWS
 
 
 @dataclass(frozen=True)
@@ -96,7 +97,8 @@ class BatchDecodeStep:
             arena.advance(batch)
         else:
             arena.advance_rows(list(rows), live)
-        return self._model.lm_head(rms_norm(decoder.norm, x))[:batch, -1]
+        fused = x.dtype == torch.bfloat16  # as in the layers: an int8 head KERNEL_ROWS rows at a time
+        return by_kernel_rows(self._model.lm_head, rms_norm(decoder.norm, x), fused)[:batch, -1]
 
 
 def _runs(reads: Sequence[SharedRead]) -> list[tuple[int, int, torch.Tensor, torch.Tensor | None]]:
@@ -105,7 +107,7 @@ def _runs(reads: Sequence[SharedRead]) -> list[tuple[int, int, torch.Tensor, tor
 
     A row's parts then merge in pool order, whoever else reads: alone or in a batch whose rows read the same
     segments, a row gets the same bits (rows that read different segments can split a run: then equal to fp32
-    rounding; int8/int4 past ``KERNEL_ROWS`` rows: see the module docstring)."""
+    rounding)."""
     groups: list[tuple[list[Segment], SharedRead]] = []
     for read in sorted(reads, key=lambda r: r.segment.start):
         last = groups[-1] if groups else None
@@ -127,7 +129,7 @@ def _runs(reads: Sequence[SharedRead]) -> list[tuple[int, int, torch.Tensor, tor
 
 
 class _BatchLayer(FusedLayer):
-    """One decoder layer over B rows; its fused q/k/v and gate/up kernels are used while B is small."""
+    """One decoder layer over B rows; quantized layers run their fused kernels ``KERNEL_ROWS`` rows at a time."""
 
     def __call__(
         self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], keys: torch.Tensor, values: torch.Tensor,
@@ -140,7 +142,7 @@ class _BatchLayer(FusedLayer):
         the arena's first B rows, read in place."""
         attn = self.layer.self_attn
         padded, batch = x.shape[0], rows.shape[0]
-        fused = x.dtype == torch.bfloat16 and padded <= KERNEL_ROWS
+        fused = x.dtype == torch.bfloat16  # int8/int4 on their kernels (float32 and bfloat16 models have none)
         q, k, v = self.project(x, rotary, fused)  # [padded, H(_kv), 1, D]
         keys[rows, :, lengths] = k[:batch, :, 0]
         values[rows, :, lengths] = v[:batch, :, 0]

@@ -84,20 +84,41 @@ class FusedLayer:
         the MLP block."""
         layer = self.layer
         mlp = layer.mlp
-        x = x + layer.self_attn.o_proj(attended)
+        x = x + by_kernel_rows(layer.self_attn.o_proj, attended, fused)
         h = rms_norm(layer.post_attention_layernorm, x)
         gate, up = _through(self.gate_up if fused else None, (mlp.gate_proj, mlp.up_proj), h)
-        return x + mlp.down_proj(F.silu(gate) * up)
+        return x + by_kernel_rows(mlp.down_proj, F.silu(gate) * up, fused)
 
 
 def _through(kernel: FusedKernel | None, modules: Sequence[nn.Module], h: torch.Tensor) -> list[torch.Tensor]:
-    """Each of ``modules``' output for ``h``: one fused kernel call, with what acts on a module added to its rows
-    (a merged adapter's low-rank term), or each module called where something acts that a kernel's rows cannot
-    take (a hook)."""
+    """Each of ``modules``' output for ``h``: the fused kernel, called on ``KERNEL_ROWS`` rows at a time, with
+    what acts on a module added to its rows (a merged adapter's low-rank term), or each module called where
+    something acts that a kernel's rows cannot take (a hook)."""
     corrections = kernel_corrections(*modules) if kernel is not None else None
     if kernel is None or corrections is None:
         return [module(h) for module in modules]
-    return [out if fix is None else fix(out, h) for out, fix in zip(kernel(h), corrections, strict=True)]
+    parts = [
+        [out if fix is None else fix(out, rows) for out, fix in zip(kernel(rows), corrections, strict=True)]
+        for rows in _row_groups(h)
+    ]
+    return [torch.cat(outs).view(*h.shape[:-1], -1) if len(parts) > 1 else outs[0] for outs in zip(*parts, strict=True)]
+
+
+def _row_groups(x: torch.Tensor) -> list[torch.Tensor]:
+    """``x`` [..., features] as itself when it has at most ``KERNEL_ROWS`` rows, else as [KERNEL_ROWS or fewer,
+    features] groups: a quantized kernel's row gets the bits it gets alone only in calls of at most that many."""
+    rows = x.numel() // x.shape[-1]
+    if rows <= KERNEL_ROWS:
+        return [x]
+    return list(x.reshape(rows, x.shape[-1]).split(KERNEL_ROWS))
+
+
+def by_kernel_rows(module: nn.Module, x: torch.Tensor, fused: bool) -> torch.Tensor:
+    """``module(x)``; a quantized layer on its kernel (``fused``) takes the rows ``KERNEL_ROWS`` at a time."""
+    groups = _row_groups(x) if fused and isinstance(module, QuantizedLinear) and module.takes_kernel(x[:1]) else [x]
+    if len(groups) == 1:
+        return module(x)
+    return torch.cat([module(rows) for rows in groups]).view(*x.shape[:-1], -1)
 
 
 STEP_ROWS = KERNEL_ROWS

@@ -129,13 +129,13 @@ def test_a_finished_row_is_refilled_by_the_last_and_decoding_goes_on(tokenizer) 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_a_row_gets_the_same_bits_alone_as_in_any_batch(tokenizer, arch: str, dtype: str) -> None:
     """Greedy answers must not depend on who else is decoding: each row's logits are bitwise those of the row
-    decoded alone, whatever the batch size and whatever other segments the other rows read. int8 and int4 only
-    up to ``KERNEL_ROWS`` rows: past them the batch takes the dense copy, a row alone the fused kernels."""
+    decoded alone, whatever the batch size and whatever other segments the other rows read. int8 and int4 rows
+    past ``KERNEL_ROWS`` take the fused kernels ``KERNEL_ROWS`` rows at a time, as a row alone does."""
     lm = tiny_in(arch, dtype, tokenizer)
     step = BatchDecodeStep.of(lm.model)
-    rows = KERNEL_ROWS if lm.compute.linear else 5
+    rows = 2 * KERNEL_ROWS + 1
     alone, crowd = _Batch(lm.model, lm.model.dtype, rows=1), _Batch(lm.model, lm.model.dtype, rows=rows)
-    tokens = torch.tensor([5, 77, 301, 9, 40])[:rows]
+    tokens = torch.tensor([5, 77, 301, 9, 40, 12, 250, 3, 66])[:rows]
     with torch.inference_mode():
         for i in range(3):
             one = step(tokens[:1], alone.positions + i, alone.arena, alone.pool, alone.reads())
@@ -146,15 +146,15 @@ def test_a_row_gets_the_same_bits_alone_as_in_any_batch(tokenizer, arch: str, dt
 
 @pytest.mark.parametrize("dtype", ["float32", "int4"])
 def test_a_row_under_an_adapter_gets_the_same_bits_alone_as_in_a_batch(tokenizer, dtype: str) -> None:
-    """``fast`` applies a merged splice adapter to q_proj and o_proj: the step runs those layers as modules (int4:
-    the kernel plus the low-rank term), and a row still gets its bits alone."""
+    """``fast`` applies a merged splice adapter to q_proj and o_proj: the step adds its low-rank term to the int4
+    kernels' rows (float32: the merged weight), and a row still gets its bits alone, in a batch of any size."""
     lm = tiny_in("llama", dtype, tokenizer)
     adapter = acting_adapter(lm.model)
     adapter.attach(merged=True)
     step = BatchDecodeStep.of(lm.model)
-    rows = KERNEL_ROWS if lm.compute.linear else 5
+    rows = 2 * KERNEL_ROWS + 1
     alone, crowd = _Batch(lm.model, lm.model.dtype, rows=1), _Batch(lm.model, lm.model.dtype, rows=rows)
-    tokens = torch.tensor([5, 77, 301, 9, 40])[:rows]
+    tokens = torch.tensor([5, 77, 301, 9, 40, 12, 250, 3, 66])[:rows]
     try:
         with torch.inference_mode(), adapter.applied():
             for i in range(3):
