@@ -350,7 +350,8 @@ class ModelRunner:
     def serves(self, cache: object, call: ModelCall = PLAIN) -> bool:
         """Whether ``decode`` can step ``cache`` under ``call``: a batch-one buffer cache of a model the fused step
         describes, and a call that adds no attention kwargs. A call's context (an adapter applied) is honoured:
-        the step runs a layer something acts on as its module (``decode_step.overridden``); CUDA graphs, captured
+        the step adds a merged adapter's term to the fused kernels' rows and runs a layer a hook acts on as its module
+        (``decode_step.kernel_corrections``); CUDA graphs, captured
         once, take plain calls only."""
         if not (isinstance(cache, BufferCache) and DecodeStep.serves(cache) and self._static is not None):
             return False

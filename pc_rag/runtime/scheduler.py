@@ -251,8 +251,8 @@ class Scheduler:
 
     def _shares_step(self, call: ModelCall) -> bool:
         """Whether the batched step can run ``call``: one without attention kwargs (its context, an adapter applied
-        to the linear modules, acts inside the step: a layer something acts on runs as its module,
-        ``decode_step.overridden``)."""
+        to the linear modules, acts inside the step: a merged adapter's term is added to the fused kernels' rows, and
+        a layer a hook acts on runs as its module, ``decode_step.kernel_corrections``)."""
         return self._step is not None and not call.kwargs
 
     def _kv_bytes(self) -> tuple[int, int]:
