@@ -121,7 +121,7 @@ def measure(
                          speculative=speculative)  # fmt: skip
         answer()  # warm-up
         with timer:
-            answer()
+            result = answer()
         times, prof = timer.times, timer.profiler
         step_ms = statistics.median(times[2:]) * 1000
         weights, kv = weight_bytes(lm.model), kv_bytes(lm.model, len(work.ids) + tokens // 2, lm.dtype)
@@ -132,13 +132,15 @@ def measure(
         row = {
             "dtype": dtype, "mode": mode, "context_tokens": len(work.ids), "step_ms": step_ms, "steps": len(times),
             "weight_bytes": weights, "kv_bytes": kv, "bandwidth_gb_s": bandwidth, "floor_ms": floor_ms,
-            "gap": step_ms / floor_ms, "ops_ms": ops_ms, "threads": torch.get_num_threads(),
+            "gap": step_ms / floor_ms, "decode_tokens_per_s": result.stats.decode_tokens_per_s,
+            "tokens_per_step": result.stats.tokens_per_step, "ops_ms": ops_ms, "threads": torch.get_num_threads(),
             "top_ops": [{"op": e.key, "self_ms_per_step": e.self_cpu_time_total / 1000 / profiled,
                          "calls_per_step": e.count / profiled} for e in ops],
         }  # fmt: skip
         print(f"{dtype:>8} {mode:>6} {row['context_tokens']:>6} tok: step {step_ms:6.1f} ms, floor {floor_ms:5.1f} ms "
               f"({(weights + kv) / 1e6:.0f} MB at {bandwidth:.1f} GB/s), gap {row['gap']:.1f}x; "
-              f"ops {ops_ms:.1f} ms/step")  # fmt: skip
+              f"ops {ops_ms:.1f} ms/step; {row['decode_tokens_per_s']:.1f} tokens/s, "
+              f"{row['tokens_per_step']:.2f} per step")  # fmt: skip
         for op in row["top_ops"]:
             print(f"{'':>17}{op['op']:<40} {op['self_ms_per_step']:6.2f} ms/step  {op['calls_per_step']:5.0f} calls")
         rows.append(row)
