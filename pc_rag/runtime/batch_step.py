@@ -12,9 +12,9 @@ a row gets the same bits, on AVX-512 and on AVX2-only CPUs, at 1 to 16 threads (
 elementwise operations: ``partition_attention._merge``). Two exceptions: rows that read different segments can
 split a run (``_runs``: then equal to fp32 rounding). int8/int4 models take their fused kernels ``KERNEL_ROWS``
 rows at a time at any batch size (a row's bits depend only on the call's row count, which is the same alone), so
-they keep the rule too; on the 2-core Xeon VM the kernels in groups of 4 took 48 / 92 / 183 ms per step for 8 /
-16 / 32 rows' projections against the dense bfloat16 copy's 88 / 152 / 180 (a CPU without bfloat16 arithmetic,
-where the dense copy multiplies in float32).
+they keep the rule too. On the 2-core Xeon VM (no bfloat16 arithmetic: the dense copy multiplies in float32) the
+kernels in groups of 4 took 57 / 97 / 186 ms for the projections of 8 / 16 / 32 rows against the dense bfloat16
+copy's 109 / 159 / 181 (``examples/kernel_rows_ab.py``, ``examples/results/kernel_rows_ab_xeon.json``).
 """
 
 from __future__ import annotations
