@@ -115,8 +115,8 @@ def _row_groups(x: torch.Tensor) -> list[torch.Tensor]:
 
 def by_kernel_rows(module: nn.Module, x: torch.Tensor, fused: bool) -> torch.Tensor:
     """``module(x)``; a quantized layer on its kernel (``fused``) takes the rows ``KERNEL_ROWS`` at a time."""
-    groups = _row_groups(x) if fused and isinstance(module, QuantizedLinear) and module.takes_kernel(x[:1]) else [x]
-    if len(groups) == 1:
+    groups = _row_groups(x) if fused else [x]  # one group (no tensor op) for a decode step's few rows
+    if len(groups) == 1 or not (isinstance(module, QuantizedLinear) and module.takes_kernel(groups[0])):
         return module(x)
     return torch.cat([module(rows) for rows in groups]).view(*x.shape[:-1], -1)
 
