@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import time
 from functools import partial
 from pathlib import Path
@@ -26,6 +25,7 @@ from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
 from pc_rag.bench.answer_time import answer_workload, machine
+from pc_rag.bench.provenance import commit
 from pc_rag.hotpotqa_sample import sample_questions
 from pc_rag.model import load_model
 from pc_rag.rag import RagEngine
@@ -171,9 +171,8 @@ def main() -> None:
         for row in measure(dtype, contexts, args.tokens, args.profile, bandwidth, modes, speculative)
     ]
     if args.json:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=False).stdout
-        args.json.write_text(json.dumps({"machine": machine(), "commit": commit.strip(), "rows": rows}, indent=1)
-                             + "\n")  # fmt: skip
+        provenance = {"machine": machine(), "commit": commit(), "rows": rows}
+        args.json.write_text(json.dumps(provenance, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -13,14 +13,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from pc_rag.bench.answer_time import machine
+from pc_rag.bench.provenance import commit
+from pc_rag.bench.timing import timed_runs
 from pc_rag.model import load_model
 from pc_rag.weights import KERNEL_ROWS, QuantizedLinear, dense_linear
 
@@ -39,16 +38,6 @@ def kernel_groups(layers: list[QuantizedLinear], x: torch.Tensor) -> None:
         torch.cat([layer(rows) for rows in x[..., : layer.in_features].split(KERNEL_ROWS)])
 
 
-def fastest_ms(fn: Callable[[], None], runs: int) -> float:
-    fn()
-    times = []
-    for _ in range(runs):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times) * 1000
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", default="8,16,32")
@@ -64,15 +53,14 @@ def main() -> None:
         x = torch.randn(count, 1, widest, dtype=torch.bfloat16)
         kernel_ms = dense_ms = float("inf")
         for _ in range(args.runs):  # alternating, so both see the same machine
-            kernel_ms = min(kernel_ms, fastest_ms(lambda x=x: kernel_groups(layers, x), 1))
-            dense_ms = min(dense_ms, fastest_ms(lambda x=x: dense(layers, x), 1))
+            kernel_ms = min(kernel_ms, 1000 * timed_runs(lambda x=x: kernel_groups(layers, x), 1)[0])
+            dense_ms = min(dense_ms, 1000 * timed_runs(lambda x=x: dense(layers, x), 1)[0])
         print(f"{count:>5} {kernel_ms:>23.1f} ms {dense_ms:>8.1f} ms")
         rows_out.append({"rows": count, "kernel_groups_ms": kernel_ms, "dense_ms": dense_ms, "projections": len(layers),
                          "threads": torch.get_num_threads()})  # fmt: skip
     if args.json:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=False).stdout
-        args.json.write_text(json.dumps({"machine": machine(), "commit": commit.strip(), "rows": rows_out}, indent=1)
-                             + "\n")  # fmt: skip
+        provenance = {"machine": machine(), "commit": commit(), "rows": rows_out}
+        args.json.write_text(json.dumps(provenance, indent=1) + "\n")
 
 
 if __name__ == "__main__":
