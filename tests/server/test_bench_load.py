@@ -19,21 +19,24 @@ from pc_rag.server.http import create_app
 from pc_rag.server.prompt_server import PromptServer
 
 
-@pytest.mark.parametrize("queue_limit", [8, 1])  # 8: room for every client; 1: some are refused
-def test_load_at_a_tiny_scale_keeps_every_invariant(queue_limit, tmp_path, tokenizer) -> None:
+# 8: room for every client, two leave mid-stream. 1: some are refused; nobody leaves, since which clients get in is a
+# race, and with leavers it can be only they (CI saw 2 admitted, both leaving, 6 refused: no complete answer).
+# Without leavers the first to arrive always finds the queue empty and answers, so "done >= 1" cannot flake.
+@pytest.mark.parametrize(("queue_limit", "leaving"), [(8, 2), (1, 0)])
+def test_load_at_a_tiny_scale_keeps_every_invariant(queue_limit, leaving, tmp_path, tokenizer) -> None:
     engine = RagEngine(tiny_model("llama", tokenizer), RagPrompt())
     store = make_store(tmp_path, engine)
     scheduler = Scheduler(engine.lm, max_batch=2, queue_limit=queue_limit)  # --max-concurrency 2
     server = PromptServer(store=store, scheduler=scheduler, prefix_cache=PrefixCache())
     try:
         with live_server(create_app(server)) as url:
-            result = drive(url, LoadPlan(clients=8, leaving=2, max_tokens=6, deadline_s=60))
+            result = drive(url, LoadPlan(clients=8, leaving=leaving, max_tokens=6, deadline_s=60))
     finally:
         scheduler.close()
     summary = format_result(result)
     assert result.passed, summary
     assert sum(result.outcomes.values()) == 8 and set(result.outcomes) == set(OUTCOMES)
-    assert result.outcomes["done"] >= 1 and result.outcomes["left"] <= 2
+    assert result.outcomes["done"] >= 1 and result.outcomes["left"] <= leaving
     if queue_limit >= 8:  # nobody refused: both planned disconnects happen mid-stream
         assert result.outcomes["left"] == 2 and result.outcomes["busy"] == 0, summary
     assert set(result.by_kind) == {"chat", "rag", "completion"}
