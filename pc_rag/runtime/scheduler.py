@@ -3,7 +3,8 @@
 One worker thread owns decoding. Between steps it admits waiting requests (up to ``max_batch`` live): each is
 spliced into a buffer of its own and their new tokens run in one packed pass (``BatchPrefill``; a request with
 a recovery refresh is prefilled alone, ``executor.prefill``), and its first token is sampled. Its shareable,
-unrefreshed parts are acquired from the ``SharedKVPool`` (one copy for every request that imports them) and the
+unrefreshed parts are acquired from the ``SharedKVPool`` (one copy for every request that imports them; the pool
+starts at ``shared_tokens`` and grows to what ``max_batch`` requests of the model's context can hold) and the
 rest of its KV is copied into a row of the ``PrivateArena``; its buffer goes back to the pool. Each step then
 runs ``BatchDecodeStep`` over all live rows: the weights are read once per step, and shared KV once per step.
 Torch's threads follow the free cores (``--threads auto``) before the calls it runs (``call``), at each admission
@@ -12,8 +13,7 @@ keeps no thread the load took. Requests whose model calls run inside a context (
 default mode ``fast``) are prefilled and decoded the same way, inside it: rows whose calls share a context
 (``ModelCall.context_key``) run in one step, and each other context gets a step of its own over its rows. A
 request the batched step cannot serve (a model it does not describe, a call with attention kwargs such as
-calibration, an adapter where the step runs fused int8/int4 kernels, teacher-forced scoring) is served alone,
-advanced between the batched steps.
+calibration, teacher-forced scoring) is served alone, advanced between the batched steps.
 
 Tokens reach the caller's thread through a queue; detokenizing, stop strings and timing run there
 (``run_generation``). A caller that stops reading (a stop string, an abandoned stream) or calls
@@ -130,7 +130,8 @@ class Scheduler:
         self.stop_ids = eos_ids(lm.model, lm.tokenizer)
         layers, heads, dim = kv_shape(lm.model)
         chunks = -(-shared_tokens // CHUNK_TOKENS)
-        self.pool = SharedKVPool(layers, heads, dim, chunks=chunks, dtype=lm.dtype, device=lm.device)
+        most = max(chunks, max_batch * -(-lm.max_positions // CHUNK_TOKENS))  # every live request's whole context
+        self.pool = SharedKVPool(layers, heads, dim, chunks=chunks, max_chunks=most, dtype=lm.dtype, device=lm.device)
         self.arena = PrivateArena(layers, heads, dim, rows=max_batch, dtype=lm.dtype, device=lm.device)
         self._step = BatchDecodeStep.of(lm.model)
         self.batch_steps = 0  # batched decode steps run (each paces the thread policy as one alone decode step does)

@@ -7,7 +7,10 @@ modules have the same KV wherever they are imported at the same positions, so a 
 its KV (``source``), its tokens and its absolute positions: literal prefixes are shared, and so are identical
 modules after different ones. Requests ``acquire`` a segment (inserted on first use) and ``release`` it when
 they finish; a segment no request holds stays cached until its chunks are needed, least recently used first.
-This module knows nothing about models, prompts or attention.
+When live segments fill it, the pool grows (doubling, up to ``max_chunks``): a request's part that found no room
+used to stay in its private arena row, which cost more memory (a copy per request) and made every decode step
+read it once per row. Views of the pool (``span``, ``view``) are valid until the next ``acquire``. This module
+knows nothing about models, prompts or attention.
 """
 
 from __future__ import annotations
@@ -60,18 +63,22 @@ class Segment:
 
 
 class SharedKVPool:
-    """Fixed-size chunks of shared KV; thread-safe. ``chunks`` of ``CHUNK_TOKENS`` tokens each, allocated up front."""
+    """Fixed-size chunks of shared KV; thread-safe. ``chunks`` of ``CHUNK_TOKENS`` tokens each, allocated up front;
+    when live segments fill them, more, up to ``max_chunks`` (default: ``chunks``, a fixed size)."""
 
     def __init__(
-        self, layers: int, kv_heads: int, head_dim: int, *, chunks: int, dtype: torch.dtype = torch.float32,
-        device: torch.device | str = "cpu",
+        self, layers: int, kv_heads: int, head_dim: int, *, chunks: int, max_chunks: int | None = None,
+        dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
     ) -> None:  # fmt: skip
         if chunks < 1:
             raise ValueError(f"a pool needs at least one chunk, got {chunks}")
+        if max_chunks is not None and max_chunks < chunks:
+            raise ValueError(f"a pool of {chunks} chunks cannot grow to at most {max_chunks}")
         shape = (layers, kv_heads, chunks * CHUNK_TOKENS, head_dim)
         self.keys = torch.empty(shape, dtype=dtype, device=device)  # [L, H_kv, chunks * C, D]
         self.values = torch.empty(shape, dtype=dtype, device=device)
         self.chunks = chunks
+        self.max_chunks = chunks if max_chunks is None else max_chunks
         self._free: list[tuple[int, int]] = [(0, chunks)]  # runs of free chunks (first, count), by first
         self._segments: dict[SegmentKey, Segment] = {}
         self._idle: OrderedDict[SegmentKey, None] = OrderedDict()  # held by no request, least recently used first
@@ -144,7 +151,13 @@ class SharedKVPool:
                 if count >= chunks:
                     self._free[i : i + 1] = [(first + chunks, count - chunks)] if count > chunks else []
                     return first
-            if not self._idle:
+            if self._idle:  # cached KV no request holds goes before the pool grows: its memory stays bounded
+                oldest, _ = self._idle.popitem(last=False)
+                dropped = self._segments.pop(oldest)
+                self._free_chunks(dropped.first_chunk, dropped.chunks)
+            elif self.chunks < self.max_chunks:
+                self._grow(chunks)
+            else:
                 free = sum(count for _, count in self._free)
                 held = sum(1 for s in self._segments.values() if s.holders)
                 msg = (
@@ -152,11 +165,23 @@ class SharedKVPool:
                     f"chunks free, {held} segments held by live requests): a larger pool or fewer concurrent requests"
                 )
                 raise KVPoolFullError(msg)
-            oldest, _ = self._idle.popitem(last=False)
-            self._free_run(self._segments.pop(oldest))
 
-    def _free_run(self, segment: Segment) -> None:
-        first, count = segment.first_chunk, segment.chunks
+    def _grow(self, chunks: int) -> None:
+        """Twice the chunks (at least room for a run of ``chunks`` more, at most ``max_chunks``); segments keep
+        their places, so only views taken before go stale."""
+        before = self.chunks
+        after = min(self.max_chunks, max(2 * before, before + chunks))
+        for name in ("keys", "values"):
+            old = getattr(self, name)
+            layers, kv_heads, _, head_dim = old.shape
+            with torch.inference_mode(False):  # a normal tensor, whether or not the caller is in inference mode
+                new = old.new_empty(layers, kv_heads, after * CHUNK_TOKENS, head_dim)
+            new[:, :, : before * CHUNK_TOKENS] = old
+            setattr(self, name, new)
+        self.chunks = after
+        self._free_chunks(before, after - before)  # merged with a free run at the end
+
+    def _free_chunks(self, first: int, count: int) -> None:
         i = bisect.bisect(self._free, (first, count))
         if i < len(self._free) and self._free[i][0] == first + count:  # merge with the run after
             count += self._free.pop(i)[1]

@@ -73,6 +73,31 @@ def test_a_full_pool_says_why_and_keeps_live_segments():
     torch.testing.assert_close(pool.view(live, 0)[0], _span(100, 0).keys[0], rtol=0, atol=0)
 
 
+def test_a_growable_pool_doubles_when_live_segments_fill_it_and_keeps_their_kv():
+    pool = SharedKVPool(LAYERS, HEADS, DIM, chunks=2, max_chunks=5)
+    a = pool.acquire(_key("a", 100), _span(100, 0))  # 2 chunks: full
+    b = pool.acquire(_key("b", 64), _span(64, 1))  # grown to 4
+    assert pool.chunks == 4 and b.first_chunk == 2
+    c = pool.acquire(_key("c", 128), _span(128, 2))  # 1 free: grown to 5 (the cap), the free chunk and the new one
+    assert pool.chunks == 5 and c.first_chunk == 3
+    for segment, seed in ((a, 0), (b, 1), (c, 2)):
+        torch.testing.assert_close(pool.view(segment, 1)[0], _span(segment.length, seed).keys[1], rtol=0, atol=0)
+    with pytest.raises(KVPoolFullError, match="0 of 5 chunks free"):
+        pool.acquire(_key("d", 1), _span(1, 3))
+
+
+def test_idle_segments_are_dropped_before_the_pool_grows():
+    pool = SharedKVPool(LAYERS, HEADS, DIM, chunks=1, max_chunks=4)
+    pool.release(pool.acquire(_key("a", 64), _span(64, 0)))
+    pool.acquire(_key("b", 64), _span(64, 1))
+    assert pool.chunks == 1
+
+
+def test_a_pool_cannot_be_capped_below_its_size():
+    with pytest.raises(ValueError, match="cannot grow to at most 1"):
+        SharedKVPool(LAYERS, HEADS, DIM, chunks=2, max_chunks=1)
+
+
 def test_kv_of_another_model_is_refused():
     pool = _pool(2)
     wrong = SpanKV(torch.zeros(LAYERS, HEADS + 1, 4, DIM), torch.zeros(LAYERS, HEADS + 1, 4, DIM), torch.arange(4))
