@@ -43,7 +43,6 @@ from pc_rag.runtime.generate import collect
 from pc_rag.runtime.partition_attention import (
     SharedRun,
     attend_with_lse,
-    chunk_first,
     partition_attention,
     private_mask,
 )
@@ -240,9 +239,10 @@ def _contenders(
         partition_attention(query[:1], [], alone_k, alone_v, one_mask, scale)
 
     grouped = query.view(concurrency, kv_heads, heads // kv_heads, dim)
+    every_query = grouped.transpose(0, 1).reshape(1, kv_heads, -1, dim)  # the run's readers: every row
 
     def chunk_first_pass() -> None:
-        chunk_first(grouped, run, scale)
+        attend_with_lse(every_query, shared[0][None], shared[1][None], None, scale)
 
     def sequence_first() -> None:
         attend_with_lse(grouped, private[0], private[1], mask[:, None, None, :], scale)

@@ -27,7 +27,13 @@ from transformers import PreTrainedModel
 
 from pc_rag.runtime.arena import CAPACITY_STEP, PrivateArena
 from pc_rag.runtime.decode_step import FusedLayer, built_once, by_kernel_rows, rms_norm
-from pc_rag.runtime.partition_attention import SharedRun, padded_rows, partition_attention, private_mask
+from pc_rag.runtime.partition_attention import (
+    PartitionPlan,
+    SharedRun,
+    padded_rows,
+    partition_attention,
+    private_mask,
+)
 from pc_rag.runtime.shared_pool import Segment, SharedKVPool
 
 
@@ -89,10 +95,12 @@ class BatchDecodeStep:
         private = min(arena.capacity, -(-(longest + 1) // CAPACITY_STEP) * CAPACITY_STEP)
         groups = _runs(reads) if pool is not None else []
         mask = private_mask(lengths + 1, private, x.dtype)  # after this step's token, the same in every layer
+        n_rep = self._decoder.layers[0].self_attn.num_key_value_groups  # query heads per KV head
+        plan = PartitionPlan.of([run.reader_ids for run in groups], batch, n_rep, tokens.device) if groups else None
         for layer_index, layer in enumerate(self._layers):
-            runs = [SharedRun(*pool.span(a, b, layer_index), readers, m) for a, b, readers, m in groups]
+            runs = [SharedRun(*pool.span(g.start, g.end, layer_index), g.readers, g.mask) for g in groups]
             keys, values = arena.keys[layer_index], arena.values[layer_index]
-            x = layer(x, rotary, keys, values, live, lengths, runs, mask, whole=rows is None)
+            x = layer(x, rotary, keys, values, live, lengths, runs, mask, plan, whole=rows is None)
         if rows is None:
             arena.advance(batch)
         else:
@@ -101,9 +109,21 @@ class BatchDecodeStep:
         return by_kernel_rows(self._model.lm_head, rms_norm(decoder.norm, x), fused)[:batch, -1]
 
 
-def _runs(reads: Sequence[SharedRead]) -> list[tuple[int, int, torch.Tensor, torch.Tensor | None]]:
-    """Shared reads as attention runs ``(start, end, readers, mask)`` in pool order: segments stored back to back
-    and read by the same rows form one run, the padding between them masked.
+@dataclass(frozen=True)
+class _Run:
+    """Pool tokens ``start:end`` read by the step's rows ``readers`` (``reader_ids`` on the host); ``mask`` hides the
+    padding between segments stored back to back."""
+
+    start: int
+    end: int
+    readers: torch.Tensor
+    reader_ids: list[int]
+    mask: torch.Tensor | None
+
+
+def _runs(reads: Sequence[SharedRead]) -> list[_Run]:
+    """Shared reads as attention runs in pool order: segments stored back to back and read by the same rows form
+    one run, the padding between them masked.
 
     A row's parts then merge in pool order, whoever else reads: alone or in a batch whose rows read the same
     segments, a row gets the same bits (rows that read different segments can split a run: then equal to fp32
@@ -124,7 +144,8 @@ def _runs(reads: Sequence[SharedRead]) -> list[tuple[int, int, torch.Tensor, tor
             mask = torch.full((end - start,), float("-inf"), device=readers.device)
             for segment in segments:
                 mask[segment.start - start : segment.end - start] = 0
-        runs.append((start, end, readers, mask))
+        ids = list(first.row_ids) if first.row_ids is not None else first.rows.tolist()
+        runs.append(_Run(start, end, readers, ids, mask))
     return runs
 
 
@@ -133,13 +154,14 @@ class _BatchLayer(FusedLayer):
 
     def __call__(
         self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], keys: torch.Tensor, values: torch.Tensor,
-        rows: torch.Tensor, lengths: torch.Tensor, runs: list[SharedRun], private: torch.Tensor, whole: bool = True,
+        rows: torch.Tensor, lengths: torch.Tensor, runs: list[SharedRun], private: torch.Tensor,
+        plan: PartitionPlan | None, whole: bool = True,
     ) -> torch.Tensor:  # fmt: skip
         """``x`` [padded, 1, hidden] -> [padded, 1, hidden] (rows past B pad the matmuls: see
         ``partition_attention.ROW_MULTIPLE``); writes each row's new key and value into ``keys``/``values``
         [arena rows, H_kv, capacity, D] at arena row ``rows[b]``, entry ``lengths[b]``, and attends to the entries
         of each row ``private`` (its additive mask [B, P], ``private_mask``) lets it see. ``whole``: ``rows`` are
-        the arena's first B rows, read in place."""
+        the arena's first B rows, read in place. ``plan``: the runs' ``PartitionPlan`` (built once per step)."""
         attn = self.layer.self_attn
         padded, batch = x.shape[0], rows.shape[0]
         fused = x.dtype == torch.bfloat16  # int8/int4 on their kernels (float32 and bfloat16 models have none)
@@ -151,7 +173,7 @@ class _BatchLayer(FusedLayer):
             own_keys, own_values = keys[:batch, :, :capacity], values[:batch, :, :capacity]
         else:  # [B, H_kv, P, D] gathered: the same entries, so the same bits as read in place
             own_keys, own_values = keys[rows, :, :capacity], values[rows, :, :capacity]
-        out = partition_attention(q[:batch, :, 0], runs, own_keys, own_values, private, attn.scaling)
+        out = partition_attention(q[:batch, :, 0], runs, own_keys, own_values, private, attn.scaling, plan)
         if padded > batch:
             out = torch.cat([out, out[:1].expand(padded - batch, -1, -1)])  # [padded, H, D]
         return self.finish(x, out.reshape(padded, 1, -1), fused)

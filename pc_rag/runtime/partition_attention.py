@@ -56,6 +56,41 @@ def private_mask(lengths: torch.Tensor, capacity: int, dtype: torch.dtype) -> to
     return torch.zeros(padding.shape, dtype=dtype, device=lengths.device).masked_fill_(padding, float("-inf"))
 
 
+@dataclass(frozen=True)
+class PartitionPlan:
+    """Where each run's queries come from and where its outputs go: the same in every layer, so built once per
+    decode step (from the readers on the host) and not per layer.
+
+    The queries are the step's [H_kv, B * n_rep] (row-major, then the query heads of a KV head); run r reads
+    ``gather[r]`` of them (its readers', then its first query repeated up to a multiple of ``ROW_MULTIPLE``), and its
+    first ``counts[r]`` outputs go to ``scatter``'s slice for it: part ``p`` of row ``b`` at ``p * B * n_rep + b *
+    n_rep + k``. A row's parts are its private part (0), then the runs it reads, in the order given (pool order)."""
+
+    batch: int
+    n_rep: int
+    parts: int  # the most parts any row merges
+    gather: tuple[torch.Tensor, ...]  # per run: [padded_rows(n * n_rep)] long
+    counts: tuple[int, ...]  # per run: n * n_rep
+    scatter: torch.Tensor  # [sum(counts)] long
+
+    @classmethod
+    def of(
+        cls, readers: Sequence[Sequence[int]], batch: int, n_rep: int, device: torch.device | str = "cpu"
+    ) -> PartitionPlan:
+        """The plan for runs read by ``readers`` (distinct rows in increasing order, per run, in pool order)."""
+        seen = [1] * batch  # parts each row has so far: its private part
+        gather, counts, scatter = [], [], []
+        for rows in readers:
+            queries = [row * n_rep + k for row in rows for k in range(n_rep)]
+            gather.append(queries + queries[:1] * (padded_rows(len(queries)) - len(queries)))
+            counts.append(len(queries))
+            for row in rows:
+                scatter.extend(seen[row] * batch * n_rep + row * n_rep + k for k in range(n_rep))
+                seen[row] += 1
+        indices = [torch.tensor(ids, dtype=torch.long, device=device) for ids in [*gather, scatter]]
+        return cls(batch, n_rep, max(seen), tuple(indices[:-1]), tuple(counts), indices[-1])
+
+
 def partition_attention(
     query: torch.Tensor,  # [B, H, D]: one new token per sequence, after RoPE
     runs: Sequence[SharedRun],
@@ -63,6 +98,7 @@ def partition_attention(
     private_values: torch.Tensor,  # [B, H_kv, P, D]
     private: torch.Tensor,  # [B, P] additive (``private_mask``): each row sees at least one private key
     scale: float,
+    plan: PartitionPlan | None = None,  # of these runs' readers (default: built here, reading them to the host)
 ) -> torch.Tensor:  # [B, H, D]
     """Each row's attention over its shared runs and its private keys; see the module docstring."""
     batch, heads, dim = query.shape
@@ -75,26 +111,27 @@ def partition_attention(
     out, lse = out[:, :, :n_rep], lse[:, :, :n_rep]
     if not runs:
         return out.reshape(batch, heads, dim)
-    outs, lses = [out], [lse]  # each part's output [n, H_kv, n_rep, D] and log-sum-exp over its n rows
-    for run in runs:
-        o, lse_run = chunk_first(grouped, run, scale)
-        outs.append(o)
-        lses.append(lse_run)
-    merged = _merge(*_every_part_of_every_row(outs, lses, [run.readers for run in runs], batch))
-    return merged.reshape(batch, heads, dim).to(query.dtype)
-
-
-def chunk_first(grouped: torch.Tensor, run: SharedRun, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """The chunk-first pass over one shared run: the queries ``grouped`` [B, H_kv, n_rep, D] of its n readers in
-    one pass over its keys; their output [n, H_kv, n_rep, D] and log-sum-exp [n, H_kv, n_rep]."""
-    batch, kv_heads, n_rep, dim = grouped.shape
-    n = run.readers.shape[0]
-    every_row = n == batch  # distinct rows in increasing order: all of them, in order
-    q = (grouped if every_row else grouped[run.readers]).transpose(0, 1).reshape(1, kv_heads, n * n_rep, dim)
-    mask = run.mask[None, None, None, :] if run.mask is not None else None
-    out, lse = attend_with_lse(_padded(q), run.keys[None], run.values[None], mask, scale)
-    out, lse = out[:, :, : n * n_rep], lse[:, :, : n * n_rep]
-    return out[0].unflatten(1, (n, n_rep)).transpose(0, 1), lse[0].unflatten(1, (n, n_rep)).transpose(0, 1)
+    if plan is None:
+        plan = PartitionPlan.of([run.readers.tolist() for run in runs], batch, n_rep, query.device)
+    queries = grouped.transpose(0, 1).reshape(kv_heads, batch * n_rep, dim)  # [H_kv, B * n_rep, D]
+    outs, lses = [], []
+    for run, gather, count in zip(runs, plan.gather, plan.counts, strict=True):
+        mask = run.mask[None, None, None, :] if run.mask is not None else None
+        o, o_lse = attend_with_lse(queries.index_select(1, gather)[None], run.keys[None], run.values[None], mask, scale)
+        outs.append(o[0, :, :count])
+        lses.append(o_lse[0, :, :count])
+    # every row's parts [H_kv, parts, B * n_rep]: a part a row does not have is output 0, log-sum-exp -inf, a part
+    # of weight exactly 0 after its own, so a row merges to the same bits whatever the other rows read
+    width = batch * n_rep
+    parts_out = query.new_zeros((kv_heads, plan.parts * width, dim), dtype=torch.float32)
+    parts_lse = query.new_full((kv_heads, plan.parts * width), float("-inf"), dtype=torch.float32)
+    parts_out[:, :width] = out.transpose(0, 1).reshape(kv_heads, width, dim)
+    parts_lse[:, :width] = lse.transpose(0, 1).reshape(kv_heads, width)
+    parts_out.index_copy_(1, plan.scatter, torch.cat(outs, 1).float())
+    parts_lse.index_copy_(1, plan.scatter, torch.cat(lses, 1).float())
+    by_part = (parts_out.view(kv_heads, plan.parts, width, dim), parts_lse.view(kv_heads, plan.parts, width))
+    merged = _merge(by_part[0].transpose(0, 1), by_part[1].transpose(0, 1))  # [H_kv, B * n_rep, D]
+    return merged.view(kv_heads, batch, n_rep, dim).transpose(0, 1).reshape(batch, heads, dim).to(query.dtype)
 
 
 def _padded(queries: torch.Tensor) -> torch.Tensor:
@@ -103,25 +140,9 @@ def _padded(queries: torch.Tensor) -> torch.Tensor:
     return torch.cat([queries, queries[:, :, :1].expand(-1, -1, pad, -1)], 2) if pad else queries
 
 
-def _every_part_of_every_row(
-    outs: Sequence[torch.Tensor], lses: Sequence[torch.Tensor], readers: Sequence[torch.Tensor], batch: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The parts (the private one, then one per run, each over its readers) as float32 [T, B, H_kv, n_rep, D] and
-    [T, B, H_kv, n_rep]: a row that does not read a run has output 0 and log-sum-exp -inf there, a part of weight
-    exactly 0, so a row merges to the same bits whatever the other rows read."""
-    if all(rows.shape[0] == batch for rows in readers):
-        return torch.stack(outs).float(), torch.stack(lses).float()
-    out = outs[0].new_zeros((len(outs), *outs[0].shape), dtype=torch.float32)
-    lse = lses[0].new_full((len(lses), *lses[0].shape), float("-inf"), dtype=torch.float32)
-    out[0], lse[0] = outs[0], lses[0]
-    for part, rows in enumerate(readers, 1):
-        out[part, rows], lse[part, rows] = outs[part].float(), lses[part].float()
-    return out, lse
-
-
 def _merge(out: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
-    """Parts ``out`` [T, B, H_kv, n_rep, D] merged into [B, H_kv, n_rep, D], each weighted by its share of its
-    row's softmax mass (the parts' log-sum-exp ``lse`` [T, B, H_kv, n_rep]), added in part order.
+    """Parts ``out`` [T, ..., D] merged into [..., D], each weighted by its share of its row's softmax mass (the
+    parts' log-sum-exp ``lse`` [T, ...]), added in part order.
 
     Elementwise operations only, so an element's bits depend on its own row's values, not on where the row sits
     or how many rows there are: max is exact, subtraction, products, sums in part order and the division are
@@ -132,7 +153,7 @@ def _merge(out: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
     weights = torch.exp(lse - lse.amax(0))  # the private part sees a key, so each row's max is finite
     weighted = out * weights[..., None]
     merged, total = weighted[0], weights[0]
-    for part in range(1, out.shape[0]):  # a part a row does not read adds exact zeros
+    for part in range(1, out.shape[0]):  # parts a row does not have (after its own) add exact zeros
         merged, total = merged + weighted[part], total + weights[part]
     return merged / total[..., None]
 
