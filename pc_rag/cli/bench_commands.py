@@ -246,6 +246,7 @@ def run_bench(args: argparse.Namespace, lm: LoadedModel) -> None:
         from pc_rag.bench.serve import format_attention, format_serve, run_serve_bench
 
         if args.store is not None:
+            from pc_rag.bench.answer_time import machine
             from pc_rag.bench.serve_rag import format_rag_serve, run_rag_serve_bench
             from pc_rag.cli.store_commands import engine_for
             from pc_rag.store.document_store import DocumentStore
@@ -256,7 +257,8 @@ def run_bench(args: argparse.Namespace, lm: LoadedModel) -> None:
                                       new_tokens=args.new_tokens)  # fmt: skip
             print(format_rag_serve(rag))
             if args.json:
-                args.json.write_text(json.dumps(asdict(rag), indent=2) + "\n")
+                provenance = {"machine": machine(), "commit": commit()}
+                args.json.write_text(json.dumps({**asdict(rag), **provenance}, indent=2) + "\n")
             return
         sizes = {"concurrency": args.concurrency, "shared_tokens": args.shared_tokens, "new_tokens": args.new_tokens}
         result, attention = run_serve_bench(PromptCache(lm), **sizes)
