@@ -51,6 +51,27 @@ def test_concurrent_requests_answer_exactly_as_served_alone(cache: PromptCache) 
     assert together == alone
 
 
+def test_a_pool_too_small_for_the_live_requests_grows_and_keeps_their_answers(tokenizer) -> None:
+    """A pool of one chunk cannot hold the system turn and two modules: it grows while they are live (a part that
+    found no room used to stay private in every request's arena row), and the answers stay those served alone."""
+    pc = PromptCache(tiny_model("llama", tokenizer))
+    pc.add_schema(SCHEMA)
+    prompts = [_prompt(q, True) for q in QUESTIONS[:4]]
+    alone = [_alone(pc, p, max_new_tokens=6) for p in prompts]
+    scheduler = Scheduler(pc.lm, max_batch=4, shared_tokens=CHUNK_TOKENS)
+    assert scheduler.pool.chunks == 1
+    try:
+        with ThreadPoolExecutor(max_workers=4) as threads:
+            together = list(
+                threads.map(lambda p: collect(scheduler.submit(pc.request(p, max_new_tokens=6))).token_ids, prompts)
+            )
+    finally:
+        scheduler.close()
+    assert together == alone
+    assert scheduler.pool.chunks >= 3 and scheduler.served["batched"] == 4
+    assert scheduler.peak_kv_bytes[0] > 0  # the parts were shared, not left private
+
+
 def test_sampled_requests_follow_their_seed(cache: PromptCache) -> None:
     settings = {"max_new_tokens": 8, "temperature": 0.9, "top_k": 40, "seed": 7}
     alone = _alone(cache, _prompt(QUESTIONS[0], True), **settings)
