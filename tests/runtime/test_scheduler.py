@@ -37,18 +37,19 @@ def _alone(pc: PromptCache, prompt: str, **kwargs) -> list[int]:
     return pc.generate(prompt, **kwargs).token_ids
 
 
+def _together(scheduler: Scheduler, pc: PromptCache, prompts: list[str], threads: int, **kwargs) -> list[list[int]]:
+    """The token ids of ``prompts`` submitted at once from ``threads`` threads; the scheduler is closed after."""
+    try:
+        with ThreadPoolExecutor(max_workers=threads) as pool:
+            return list(pool.map(lambda p: collect(scheduler.submit(pc.request(p, **kwargs))).token_ids, prompts))
+    finally:
+        scheduler.close()
+
+
 def test_concurrent_requests_answer_exactly_as_served_alone(cache: PromptCache) -> None:
     prompts = [_prompt(q, i % 2 == 0) for i, q in enumerate(QUESTIONS)] * 3
     alone = [_alone(cache, p, max_new_tokens=12) for p in prompts]
-    scheduler = Scheduler(cache.lm, max_batch=5)
-    try:
-        with ThreadPoolExecutor(max_workers=8) as threads:
-            together = list(
-                threads.map(lambda p: collect(scheduler.submit(cache.request(p, max_new_tokens=12))).token_ids, prompts)
-            )
-    finally:
-        scheduler.close()
-    assert together == alone
+    assert _together(Scheduler(cache.lm, max_batch=5), cache, prompts, 8, max_new_tokens=12) == alone
 
 
 def test_a_pool_too_small_for_the_live_requests_grows_and_keeps_their_answers(tokenizer) -> None:
@@ -60,14 +61,7 @@ def test_a_pool_too_small_for_the_live_requests_grows_and_keeps_their_answers(to
     alone = [_alone(pc, p, max_new_tokens=6) for p in prompts]
     scheduler = Scheduler(pc.lm, max_batch=4, shared_tokens=CHUNK_TOKENS)
     assert scheduler.pool.chunks == 1
-    try:
-        with ThreadPoolExecutor(max_workers=4) as threads:
-            together = list(
-                threads.map(lambda p: collect(scheduler.submit(pc.request(p, max_new_tokens=6))).token_ids, prompts)
-            )
-    finally:
-        scheduler.close()
-    assert together == alone
+    assert _together(scheduler, pc, prompts, 4, max_new_tokens=6) == alone
     assert scheduler.pool.chunks >= 3 and scheduler.served["batched"] == 4
     assert scheduler.peak_kv_bytes[0] > 0  # the parts were shared, not left private
 
