@@ -26,12 +26,11 @@ silently. This module knows nothing about PML, chunks or HTTP.
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 from collections import Counter, deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TypeVar
 
 import torch
@@ -43,72 +42,22 @@ from pc_rag.runtime.arena import PrivateArena
 from pc_rag.runtime.batch_prefill import BatchPrefill, PrefillJob
 from pc_rag.runtime.batch_step import BatchDecodeStep, SharedRead
 from pc_rag.runtime.executor import Prefilled, execute, prefill, splice_request
-from pc_rag.runtime.generate import DecodedTokens, GenerationResult, ReplyStream, eos_ids, run_generation, sample
+from pc_rag.runtime.generate import GenerationResult, ReplyStream, eos_ids, run_generation, sample
 from pc_rag.runtime.model_call import ModelCall
 from pc_rag.runtime.request import Request
 from pc_rag.runtime.shared_pool import CHUNK_TOKENS, Segment, SharedKVPool
+from pc_rag.runtime.submission import END, Entry, Started, Submitted
 from pc_rag.runtime.threads import adapt_threads, adapt_threads_at
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
-
-_END = object()
-
-
-@dataclass(frozen=True)
-class _Started:
-    """What the caller's thread needs to report a batched request: its first logits and (cached, computed)."""
-
-    logits: torch.Tensor
-    counts: tuple[int, int]
-
-
-class _Tokens(DecodedTokens):
-    """The token ids of one batched request, as the worker decodes them; ``cancelled`` when the caller stops."""
-
-    def __init__(self) -> None:
-        super().__init__([])
-        self.queue: queue.SimpleQueue[object] = queue.SimpleQueue()
-        self.cancelled = threading.Event()
-
-    def __next__(self) -> int:
-        item = self.queue.get()
-        if item is _END:
-            raise StopIteration
-        if isinstance(item, BaseException):
-            raise item
-        assert isinstance(item, int)
-        return item
-
-
-class Submitted(Iterator[str | GenerationResult]):
-    """A submitted request's reply: text deltas, then its ``GenerationResult``; ``cancel()`` from any thread stops
-    it (a waiting request is dropped, a live one leaves the batch at its next step)."""
-
-    def __init__(self, items: Iterator[str | GenerationResult], cancelled: threading.Event) -> None:
-        self._items, self._cancelled = items, cancelled
-
-    def __next__(self) -> str | GenerationResult:
-        return next(self._items)
-
-    def cancel(self) -> None:
-        self._cancelled.set()
-
-
-@dataclass(eq=False)
-class _Entry:
-    """A submitted request and the channel to its caller."""
-
-    request: Request
-    batched: bool
-    tokens: _Tokens = field(default_factory=_Tokens)
 
 
 @dataclass(eq=False)
 class _Live:
     """A request decoding in the batch: its arena row, shared segments, sampler and the token it feeds next."""
 
-    entry: _Entry
+    entry: Entry
     row: int
     segments: list[Segment]
     generator: torch.Generator | None
@@ -136,9 +85,9 @@ class Scheduler:
         self._step = BatchDecodeStep.of(lm.model)
         self.batch_steps = 0  # batched decode steps run (each paces the thread policy as one alone decode step does)
         self._prefill = BatchPrefill.of(lm.model)
-        self._waiting: deque[_Entry] = deque()
+        self._waiting: deque[Entry] = deque()
         self._rows: list[_Live] = []  # by arena row
-        self._alone: list[tuple[_Entry, Iterator[str | GenerationResult]]] = []
+        self._alone: list[tuple[Entry, Iterator[str | GenerationResult]]] = []
         self._lock = threading.Condition()
         self._calls: list[tuple[Callable[[], object], Future[object]]] = []
         self._closed = False
@@ -170,7 +119,7 @@ class Scheduler:
 
         Raises ``ServerBusyError`` when ``queue_limit`` requests are already waiting."""
         batched = self._shares_step(request.calls.later([])) and request.reference_ids is None
-        entry = _Entry(request, batched)
+        entry = Entry(request, batched)
         with self._lock:
             if self._closed:
                 raise PCRagError("the scheduler is closed")
@@ -265,24 +214,24 @@ class Scheduler:
             self._worker = threading.Thread(target=self._run, name="pc-rag-scheduler", daemon=True)
             self._worker.start()
 
-    def _replies(self, entry: _Entry) -> Iterator[str | GenerationResult]:
+    def _replies(self, entry: Entry) -> Iterator[str | GenerationResult]:
         tokens = entry.tokens
         try:
             first = tokens.queue.get()
             if isinstance(first, BaseException):
                 raise first
-            if first is _END:  # cancelled before it was admitted
+            if first is END:  # cancelled before it was admitted
                 return
             if not entry.batched:  # served alone: the worker forwards the executor's items
                 item = first
-                while item is not _END:
+                while item is not END:
                     assert isinstance(item, str | GenerationResult)
                     yield item
                     item = tokens.queue.get()
                     if isinstance(item, BaseException):
                         raise item
                 return
-            assert isinstance(first, _Started)
+            assert isinstance(first, Started)
             request = entry.request
             yield from run_generation(
                 tokens, self.lm.tokenizer, request.params, request.watch, first.logits, *first.counts
@@ -303,7 +252,7 @@ class Scheduler:
                 calls, self._calls = self._calls, []
             for entry in [e for e in admitted if e.tokens.cancelled.is_set()]:  # its caller left while it waited
                 admitted.remove(entry)
-                entry.tokens.queue.put(_END)
+                entry.tokens.queue.put(END)
             if calls:  # building requests is model work too (a conversation's prefix, chunk KV): at today's threads
                 adapt_threads()
             for fn, future in calls:
@@ -326,10 +275,10 @@ class Scheduler:
         for _, future in calls:
             future.set_exception(closed)
 
-    def _admit_all(self, entries: list[_Entry]) -> None:
+    def _admit_all(self, entries: list[Entry]) -> None:
         """Admit ``entries``: the batched ones without recovery prefill packed together (one pass per context their
         first call runs in), the others one by one."""
-        packed: dict[object, list[_Entry]] = {}
+        packed: dict[object, list[Entry]] = {}
         for entry in entries:
             request = entry.request
             if entry.batched and self._prefill is not None and request.refresh is None and request.new_ids:
@@ -344,7 +293,7 @@ class Scheduler:
         for group in packed.values():
             self._admit_packed(group)
 
-    def _admit_packed(self, entries: list[_Entry]) -> None:
+    def _admit_packed(self, entries: list[Entry]) -> None:
         """Prefill ``entries`` (their first calls share a context) in one packed pass inside that context."""
         spliced = []
         for entry in entries:
@@ -369,7 +318,7 @@ class Scheduler:
             length = n + len(entry.request.new_ids)
             self._join(entry, Prefilled(entry.request, buffer, buffer.cache(length), length, first, []))
 
-    def _admit(self, entry: _Entry) -> None:
+    def _admit(self, entry: Entry) -> None:
         if not entry.batched:
             items = execute(self.lm, self.buffers, entry.request, self.stop_ids)
             with self._lock:
@@ -378,7 +327,7 @@ class Scheduler:
             return
         self._join(entry, prefill(self.lm, self.buffers, entry.request))
 
-    def _join(self, entry: _Entry, done: Prefilled) -> None:
+    def _join(self, entry: Entry, done: Prefilled) -> None:
         """Move a prefilled request into the batch: shared parts into the pool, the rest into an arena row."""
         try:
             segments, private = self._split(done)
@@ -392,7 +341,7 @@ class Scheduler:
         call = entry.request.calls.later(done.recomputed)
         assert self._shares_step(call), "a batched request's decode call changed with its recomputed entries"
         # float32 on the CPU here: a conversion on the caller's thread would start torch threads of its own there
-        entry.tokens.queue.put(_Started(done.logits.float().cpu(), done.counts))
+        entry.tokens.queue.put(Started(done.logits.float().cpu(), done.counts))
         with self._lock:
             live = _Live(entry, self.arena.admit(keys, values), segments, generator, call)
             self._rows.append(live)
@@ -439,7 +388,7 @@ class Scheduler:
             self._retire(live)
 
     def _retire(self, live: _Live) -> None:
-        live.entry.tokens.queue.put(_END)
+        live.entry.tokens.queue.put(END)
         with self._lock:
             moved = self.arena.retire(live.row)
             if moved is not None:
@@ -487,14 +436,14 @@ class Scheduler:
         for entry, items in list(self._alone):
             if entry.tokens.cancelled.is_set():
                 items.close()
-                entry.tokens.queue.put(_END)  # a reader blocked on the next item (a cancel from elsewhere) ends
+                entry.tokens.queue.put(END)  # a reader blocked on the next item (a cancel from elsewhere) ends
                 ended = True
             else:
                 try:
                     entry.tokens.queue.put(next(items))
                     ended = False
                 except StopIteration:
-                    entry.tokens.queue.put(_END)
+                    entry.tokens.queue.put(END)
                     ended = True
                 except Exception as e:  # noqa: BLE001 - forwarded: the caller raises it
                     entry.tokens.queue.put(e)
@@ -503,7 +452,7 @@ class Scheduler:
                 with self._lock:
                     self._alone.remove((entry, items))
 
-    def _fail_all(self, error: Exception, admitted: list[_Entry] | None = None) -> None:
+    def _fail_all(self, error: Exception, admitted: list[Entry] | None = None) -> None:
         """Every live and waiting request (and ``admitted``, which may be neither yet) gets ``error``."""
         with self._lock:
             entries = [live.entry for live in self._rows] + [entry for entry, _ in self._alone] + list(self._waiting)

@@ -14,8 +14,9 @@ from test_weights import tiny_in
 from pc_rag.calibration import Calibration
 from pc_rag.rag import RagEngine, RagPrompt
 from pc_rag.runtime.generate import collect
-from pc_rag.runtime.scheduler import Scheduler, _Entry
+from pc_rag.runtime.scheduler import Scheduler
 from pc_rag.runtime.shared_pool import CHUNK_TOKENS
+from pc_rag.runtime.submission import Entry
 from pc_rag.server.prompt_server import PromptServer
 from pc_rag.store import as_embedder
 from pc_rag.store.document_store import DocumentStore
@@ -112,7 +113,7 @@ def _admitted(store: DocumentStore, mode: str) -> Scheduler:
     server = PromptServer(store=store)
     for question in QUESTIONS:
         _, request, _ = server.rag_request(question, k=2, mode=mode, max_new_tokens=3)
-        scheduler._admit(_Entry(request, True))
+        scheduler._admit(Entry(request, True))
     return scheduler
 
 

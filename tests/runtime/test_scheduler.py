@@ -11,8 +11,9 @@ from pc_rag.engine import PromptCache
 from pc_rag.errors import ContextLengthError, PCRagError, ServerBusyError
 from pc_rag.rag import RagEngine, RagPrompt
 from pc_rag.runtime.generate import collect
-from pc_rag.runtime.scheduler import Scheduler, _Entry
+from pc_rag.runtime.scheduler import Scheduler
 from pc_rag.runtime.shared_pool import CHUNK_TOKENS
+from pc_rag.runtime.submission import Entry
 
 SCHEMA = """<schema name="s"><system>You answer questions about cities and rivers.</system>
 <module name="facts">Paris lies on the Seine. The Danube ends in the Black Sea. Fuji is a volcano in Japan.</module>
@@ -81,7 +82,7 @@ def test_live_requests_share_one_copy_of_their_common_modules(tokenizer) -> None
     pc = PromptCache(tiny_model("llama", tokenizer))
     pc.add_schema(SCHEMA)
     scheduler = Scheduler(pc.lm)  # its worker is not started: the test admits and steps by hand
-    entries = [_Entry(pc.request(_prompt(q, True), max_new_tokens=4), True) for q in QUESTIONS[:4]]
+    entries = [Entry(pc.request(_prompt(q, True), max_new_tokens=4), True) for q in QUESTIONS[:4]]
     for entry in entries:
         scheduler._admit(entry)
     held, duplicated = scheduler.kv_bytes()
