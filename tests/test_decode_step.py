@@ -14,7 +14,7 @@ from pc_rag.assemble import forward_new_tokens
 from pc_rag.engine import PromptCache
 from pc_rag.kv import allocate
 from pc_rag.pml.nodes import Import, Module, Prompt, Schema, Text
-from pc_rag.runtime.decode_step import DecodeStep, overridden
+from pc_rag.runtime.decode_step import DecodeStep, kernel_corrections
 from pc_rag.runtime.generate import SamplingParams, decode_tokens
 from pc_rag.runtime.model_call import ModelCall
 
@@ -142,9 +142,10 @@ def test_a_merged_adapter_keeps_the_fused_kernels_on_inside_and_outside_its_bloc
         before = step([5], len(prompt), buffers[0].cache(len(prompt)))
         adapter = acting_adapter(lm.model).attach(merged=True)
         try:
-            assert not overridden(attn.q_proj, attn.k_proj, attn.v_proj)
+            assert kernel_corrections(attn.q_proj, attn.k_proj, attn.v_proj) == [None, None, None]
             with adapter.applied():
-                assert overridden(attn.q_proj, attn.k_proj, attn.v_proj)
+                acting = kernel_corrections(attn.q_proj, attn.k_proj, attn.v_proj)
+                assert acting is not None and any(fix is not None for fix in acting)
             with torch.profiler.profile() as profiler:
                 after = step([5], len(prompt), buffers[1].cache(len(prompt)))
                 with adapter.applied():

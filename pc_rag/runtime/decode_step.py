@@ -250,12 +250,6 @@ def kernel_corrections(*modules: nn.Module) -> list[Correction | None] | None:
     return found
 
 
-def overridden(*modules: nn.Module) -> bool:
-    """Whether something acts on one of ``modules`` now beyond its class's forward (see ``kernel_corrections``)."""
-    corrections = kernel_corrections(*modules)
-    return corrections is None or any(fix is not None for fix in corrections)
-
-
 def rows_exact(model: PreTrainedModel) -> bool:
     """Whether, under the calling thread's context, whatever acts on the decoder's linear layers gives a row the
     same bits in a step of any row count: nothing, or merged adapters' padded low-rank terms (not a hook's)."""
