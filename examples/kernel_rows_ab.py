@@ -21,7 +21,8 @@ from pc_rag.bench.answer_time import machine
 from pc_rag.bench.provenance import commit
 from pc_rag.bench.timing import timed_runs
 from pc_rag.model import load_model
-from pc_rag.weights import KERNEL_ROWS, QuantizedLinear, dense_linear
+from pc_rag.runtime.decode_step import by_kernel_rows
+from pc_rag.weights import QuantizedLinear, dense_linear
 
 
 def projections(model: torch.nn.Module) -> list[QuantizedLinear]:
@@ -34,8 +35,8 @@ def dense(layers: list[QuantizedLinear], x: torch.Tensor) -> None:
 
 
 def kernel_groups(layers: list[QuantizedLinear], x: torch.Tensor) -> None:
-    for layer in layers:
-        torch.cat([layer(rows) for rows in x[..., : layer.in_features].split(KERNEL_ROWS)])
+    for layer in layers:  # as the batched step calls them
+        by_kernel_rows(layer, x[..., : layer.in_features], fused=True)
 
 
 def main() -> None:
