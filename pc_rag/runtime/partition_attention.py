@@ -66,8 +66,6 @@ class PartitionPlan:
     first ``counts[r]`` outputs go to ``scatter``'s slice for it: part ``p`` of row ``b`` at ``p * B * n_rep + b *
     n_rep + k``. A row's parts are its private part (0), then the runs it reads, in the order given (pool order)."""
 
-    batch: int
-    n_rep: int
     parts: int  # the most parts any row merges
     gather: tuple[torch.Tensor, ...]  # per run: [padded_rows(n * n_rep)] long
     counts: tuple[int, ...]  # per run: n * n_rep
@@ -88,7 +86,7 @@ class PartitionPlan:
                 scatter.extend(seen[row] * batch * n_rep + row * n_rep + k for k in range(n_rep))
                 seen[row] += 1
         indices = [torch.tensor(ids, dtype=torch.long, device=device) for ids in [*gather, scatter]]
-        return cls(batch, n_rep, max(seen), tuple(indices[:-1]), tuple(counts), indices[-1])
+        return cls(max(seen), tuple(indices[:-1]), tuple(counts), indices[-1])
 
 
 def partition_attention(
