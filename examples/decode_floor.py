@@ -152,12 +152,14 @@ def main() -> None:
     parser.add_argument("--dtype", action="append", help="compute dtypes (repeat); default float32")
     parser.add_argument("--tokens-context", default="1024,4096", help="comma-separated prompt lengths")
     parser.add_argument("--tokens", type=int, default=24, help="decode steps per answer")
-    parser.add_argument("--profile", type=int, default=10, help="steps profiled")
+    parser.add_argument("--profile", type=int, default=10, help="steps profiled (at least 1)")
     parser.add_argument("--mode", action="append", help="serving modes (repeat); default naive")
     parser.add_argument("--speculative", choices=("on", "off"), help="default: the runtime's choice")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
+    if not 1 <= args.profile <= args.tokens - 4:  # the profiler starts after 4 steps and must stop in the answer
+        parser.error(f"--profile must be between 1 and --tokens - 4 ({args.tokens - 4}), got {args.profile}")
     if args.threads:
         torch.set_num_threads(args.threads)
     contexts = [int(t) for t in args.tokens_context.split(",")]
