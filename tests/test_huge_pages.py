@@ -13,7 +13,6 @@ from pc_rag.huge_pages import VARIABLE, kernel_mode
 
 # A 64 MB tensor allocated after `prelude`: its variable's value, and the KB of its mapping on huge pages
 PROBE = """
-import sys
 {prelude}
 import os, torch
 t = torch.ones(16 * 2**20)
