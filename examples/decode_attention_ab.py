@@ -19,8 +19,7 @@ from pathlib import Path
 import torch
 
 from pc_rag.attention import FLASH_CPU
-from pc_rag.bench.answer_time import machine
-from pc_rag.bench.provenance import commit
+from pc_rag.bench.provenance import commit, machine
 from pc_rag.runtime.decode_step import cache_attention
 
 KV_HEADS, QUERY_HEADS, HEAD_DIM, SCALE = 3, 9, 64, 0.125

@@ -24,8 +24,8 @@ import torch
 from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
-from pc_rag.bench.answer_time import answer_workload, machine
-from pc_rag.bench.provenance import commit
+from pc_rag.bench.answer_time import answer_workload
+from pc_rag.bench.provenance import commit, machine
 from pc_rag.hotpotqa_sample import sample_questions
 from pc_rag.model import load_model
 from pc_rag.rag import RagEngine

@@ -17,8 +17,7 @@ from pathlib import Path
 
 import torch
 
-from pc_rag.bench.answer_time import machine
-from pc_rag.bench.provenance import commit
+from pc_rag.bench.provenance import commit, machine
 from pc_rag.bench.timing import timed_runs
 from pc_rag.model import load_model
 from pc_rag.runtime.decode_step import by_kernel_rows

@@ -21,8 +21,7 @@ import torch
 
 from pc_rag import weights
 from pc_rag.assemble import forward_new_tokens
-from pc_rag.bench.answer_time import machine
-from pc_rag.bench.provenance import commit
+from pc_rag.bench.provenance import commit, machine
 from pc_rag.hotpotqa_sample import sample_questions
 from pc_rag.kv import allocate
 from pc_rag.model import LoadedModel, load_model

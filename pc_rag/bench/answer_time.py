@@ -32,7 +32,7 @@ from pc_rag.rag.engine import Chunk, RagEngine
 from pc_rag.runtime.threads import use_free_cores
 
 AUTO = " (--threads auto)"
-__all__ = ["LLAMA_CPP_ROWS", "AnswerRow", "answer_workload", "gates", "machine", "markdown", "run_answers", "summary"]
+__all__ = ["LLAMA_CPP_ROWS", "AnswerRow", "answer_workload", "gates", "markdown", "run_answers", "summary"]
 
 
 @dataclass(frozen=True)
@@ -220,19 +220,6 @@ def gates(rows: Sequence[AnswerRow], default_mode: str) -> list[dict[str, object
             name = f"answer time with one busy loop / idle, {peer} (first question, shortest length)"
             gate(name, busy[1] / idle_first, 2.0, "<=")
     return out
-
-
-def machine() -> dict[str, str]:
-    """The CPU's model name and the vector extensions that decide which kernels run."""
-    info = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
-    fields = dict(line.split(":", 1) for line in info.splitlines() if ":" in line)
-    flags = set(fields.get("Flags", "").split())
-    wanted = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile")
-    return {
-        "model": fields.get("Model name", "").strip(),
-        "flags": " ".join(f for f in wanted if f in flags),
-        "cores": str(torch.get_num_threads()),
-    }
 
 
 def _length_class(tokens: int) -> int:

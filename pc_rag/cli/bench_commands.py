@@ -156,8 +156,8 @@ def run_bench_load(args: argparse.Namespace) -> int:
     """``bench load``: the server runs in a subprocess (this one loads no model). Exit 0 when every invariant held."""
     from dataclasses import asdict
 
-    from pc_rag.bench.answer_time import machine
     from pc_rag.bench.load import LoadPlan, drive, format_result, serve_sample
+    from pc_rag.bench.provenance import machine
 
     if not 0 <= args.leaving <= args.clients:
         raise PCRagError(f"--leaving {args.leaving} must be between 0 and --clients {args.clients}")
@@ -178,8 +178,8 @@ def run_bench_load(args: argparse.Namespace) -> int:
 def run_bench_conversation(args: argparse.Namespace) -> int:
     """``bench conversation``: the servers run in subprocesses (this one loads no model). Exit 0 when the cached
     turn 10 kept within 1.5x of turn 1 and every turn answered with sources."""
-    from pc_rag.bench.answer_time import machine
     from pc_rag.bench.conversation import format_conversation_run, run_http_conversation
+    from pc_rag.bench.provenance import machine
 
     run = run_http_conversation(server_cli(args), turns=args.turns, new_tokens=args.max_tokens, log=args.log)
     print(format_conversation_run(run))
@@ -246,7 +246,7 @@ def run_bench(args: argparse.Namespace, lm: LoadedModel) -> None:
         from pc_rag.bench.serve import format_attention, format_serve, run_serve_bench
 
         if args.store is not None:
-            from pc_rag.bench.answer_time import machine
+            from pc_rag.bench.provenance import machine
             from pc_rag.bench.serve_rag import format_rag_serve, run_rag_serve_bench
             from pc_rag.cli.store_commands import engine_for
             from pc_rag.store.document_store import DocumentStore
@@ -298,7 +298,8 @@ def _run_answers(args: argparse.Namespace, engine: RagEngine, gguf: str | None) 
     rows, summary, gates, machine and commit."""
     from dataclasses import asdict
 
-    from pc_rag.bench.answer_time import gates, machine, run_answers, summary
+    from pc_rag.bench.answer_time import gates, run_answers, summary
+    from pc_rag.bench.provenance import machine
 
     busy = [int(b) for b in args.busy.split(",") if b.strip()]
     rows = run_answers(engine, _lengths(args.tokens), args.questions, args.runs, gguf, busy)
