@@ -26,23 +26,12 @@ from torch.profiler import ProfilerActivity, profile
 
 from pc_rag.bench.answer_time import answer_workload
 from pc_rag.bench.provenance import commit, machine
+from pc_rag.bench.timing import read_bandwidth_gb_s
 from pc_rag.hotpotqa_sample import sample_questions
 from pc_rag.model import load_model
 from pc_rag.rag import RagEngine
 from pc_rag.runtime.decode_step import DecodeStep
 from pc_rag.weights import QuantizedLinear
-
-
-def read_bandwidth_gb_s(gib: float = 1.0, runs: int = 7) -> float:
-    """Bytes per second that ``sum`` reads from a tensor far larger than the caches."""
-    x = torch.ones(int(gib * 2**30 / 4))
-    x.sum()
-    times = []
-    for _ in range(runs):
-        start = time.perf_counter()
-        x.sum()
-        times.append(time.perf_counter() - start)
-    return x.numel() * 4 / statistics.median(times) / 1e9
 
 
 def weight_bytes(model: nn.Module) -> int:
