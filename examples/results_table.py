@@ -13,8 +13,9 @@ and speed per level; given `pc-rag bench link --json` files, cold TTFT per stora
 given `pc-rag bench scaleout --json` runs, encoding throughput and TTFT from Redis against local per run;
 given `examples/load_test.py --json` files, requests, failures and latency per run; given `pc-rag store recode
 --json` files, the store's size before and after, bytes per token and encode speed; given `pc-rag bench ttft --json`
-files, full-prefill and cached TTFT, the floor and the speedup per context length). ``--summary`` prints only the
-first table of a kind that has two (bench serve, bench scaleout).
+files, full-prefill and cached TTFT, the floor and the speedup per context length; given
+`examples/decode_kernels_floor.py --json` files, each decode kernel's time, GB/s and gap to its floor).
+``--summary`` prints only the first table of a kind that has two (bench serve, bench scaleout).
 Otherwise prints a Markdown table with one row per (dataset, mode) of the chosen datasets: F1 and its change
 against full prefill with the paired bootstrap interval, answer identity, first-token agreement and KL,
 the teacher-forced KL and agreement over 8 tokens, TTFT median and the speedup over full prefill
@@ -328,6 +329,17 @@ def quantized_prefill_table(rows: list[Row]) -> str:
                            for r in rows])  # fmt: skip
 
 
+def kernels_table(rows: list[Row], layers: int) -> str:
+    """Markdown: one row per kernel of `examples/decode_kernels_floor.py`: its call's time, what it reads, the GB/s
+    that makes, its gap to the floor, and the milliseconds a step spends in it (one call per layer; the lm_head once).
+    """
+    head = ["part", "kernel", "shape", "µs a call", "MB read", "GB/s", "gap to floor", "ms a step"]
+    return markdown(head, [[r["part"], r["kernel"], r["shape"], f"{r['us']:,.0f}", f"{r['bytes'] / 1e6:.2f}",
+                            f"{r['gb_s']:.1f}", f"{r['gap']:.1f}x",
+                            f"{r['us'] * (1 if r['kernel'] == 'lm_head' else layers) / 1000:.1f}"]
+                           for r in rows])  # fmt: skip
+
+
 def with_sizes(rows: list[Row], sizes: list[Row]) -> list[Row]:
     """``rows`` of an eval whose ``MODE@CODEC`` rows get ``bytes_per_token`` from a `pc-rag bench codec` file."""
     per_codec = {r["codec"]: r["bytes_per_token"] for r in sizes}
@@ -378,6 +390,8 @@ def render(loaded: list[Any], args: argparse.Namespace) -> str:
         rows = [row for d in loaded for row in d["rows"]]
         if all("bfloat16_gemm_s" in d["rows"][0] for d in loaded):  # quantized_prefill_ab.py
             return quantized_prefill_table(rows)
+        if all("gb_s" in d["rows"][0] for d in loaded):  # decode_kernels_floor.py
+            return "\n\n".join(kernels_table(d["rows"], d["layers"]) for d in loaded)
         return allocation_table(rows) if all("allocation" in d["rows"][0] for d in loaded) else oracle_table(rows)
     rows = [row for d in loaded for row in d["results"]]
     if args.sizes is not None:

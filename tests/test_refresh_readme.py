@@ -50,6 +50,18 @@ def test_ttft_table_renders_every_figure_of_bench_ttft() -> None:
     assert results_table.ttft_table(TTFT).split("\n") == TABLE
 
 
+def test_kernel_rows_render_with_the_time_a_step_spends_in_them() -> None:
+    kernels = {"machine": {}, "layers": 30, "rows": [
+        {"part": "attention", "kernel": "flash", "shape": "1024 slots", "us": 147.2, "bytes": 786432, "gb_s": 5.34,
+         "floor_us": 20.1, "gap": 7.32},
+        {"part": "int8 matmul, 1 row", "kernel": "lm_head", "shape": "bf16", "us": 2498.0, "bytes": 28409856,
+         "gb_s": 11.37, "floor_us": 726.6, "gap": 3.44},
+    ]}  # fmt: skip
+    lines = results_table.render([kernels], None).split("\n")
+    assert lines[2] == "| attention | flash | 1024 slots | 147 | 0.79 | 5.3 | 7.3x | 4.4 |"  # 30 layers a step
+    assert lines[3] == "| int8 matmul, 1 row | lm_head | bf16 | 2,498 | 28.41 | 11.4 | 3.4x | 2.5 |"  # once a step
+
+
 def test_sizes_go_to_the_rows_of_their_codec_level_only() -> None:
     rows = [{"mode": "default"}, {"mode": "default@cachegen:5"}]
     sized = results_table.with_sizes(rows, [{"codec": "cachegen:5", "bytes_per_token": 4757.0}])
