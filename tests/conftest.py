@@ -96,6 +96,19 @@ def tiny_tokenizer() -> PreTrainedTokenizerBase:
     return AutoTokenizer.from_pretrained(TINY_TOKENIZER)
 
 
+@pytest.fixture(params=["cpu kernel", "flash"])
+def decode_attention_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Runs a decode test through both attention paths of ``DecodeStep``: the CPU kernel (``cpu_kernels``) and
+    PyTorch's flash kernel that machines without it use (skipped where the kernel does not run)."""
+    from pc_rag.runtime import cpu_kernels
+
+    if request.param == "flash":
+        monkeypatch.setattr(cpu_kernels, "_LOADED", [None])
+    elif cpu_kernels.decode_attention() is None:
+        pytest.skip("the CPU decode-attention kernel does not run here")
+    return str(request.param)
+
+
 @pytest.fixture(scope="session")
 def tokenizer() -> PreTrainedTokenizerBase:
     """The tiny tokenizer, shared by the tiny models."""

@@ -26,7 +26,9 @@ TOLERANCE = {"float32": 1e-5, "bfloat16": 5e-2, "int8": 5e-2, "int4": 5e-2}
 
 @pytest.mark.parametrize("dtype", sorted(TOLERANCE))
 @pytest.mark.parametrize("arch", DESCRIBED)
-def test_each_step_equals_the_forward_and_writes_the_same_cache(tokenizer, arch: str, dtype: str) -> None:
+def test_each_step_equals_the_forward_and_writes_the_same_cache(
+    tokenizer, decode_attention_path, arch: str, dtype: str
+) -> None:
     lm = tiny_in(arch, dtype, tokenizer)
     step = DecodeStep.of(lm.model)
     assert step is not None

@@ -27,6 +27,8 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from pc_rag.attention import FLASH_CPU
 from pc_rag.kv import BufferCache
+from pc_rag.runtime.cpu_kernels import DecodeAttention as DecodeAttentionKernel
+from pc_rag.runtime.cpu_kernels import decode_attention
 from pc_rag.runtime.verify_attention import BucketedAttention, bucket_end
 from pc_rag.weights import KERNEL_ROWS, FusedKernel, QuantizedLinear
 
@@ -132,9 +134,11 @@ class DecodeStep:
     first at ``position``; they are written after the cache's tokens (the cache advances by T).
 
     One token and a token followed by drafts (speculative decoding) run the same shapes: the rows are padded to
-    ``STEP_ROWS``, and in a speculative request (``bucketed``) row ``t`` attends to the cache and rows ``< t`` as a
-    batch entry whose shape depends on its slot only (``verify_attention``), so a row's logits are bit-identical
-    whether it was fed or drafted. Dense plain decoding attends its one row in one exact call (``cache_attention``).
+    ``STEP_ROWS``, and row ``t`` attends to the cache and rows ``< t`` with bits that depend on its slot only: in
+    the CPU kernel (``cpu_kernels``) for every step, else, in a speculative request (``bucketed``), as a batch
+    entry whose shape depends on its slot only (``verify_attention``), so a row's logits are bit-identical
+    whether it was fed or drafted. Without the kernel, dense plain decoding attends its one row in one exact
+    call (``cache_attention``).
     """
 
     def __init__(self, model: PreTrainedModel) -> None:
@@ -157,22 +161,29 @@ class DecodeStep:
     ) -> torch.Tensor:
         """``rows``: the row count every matmul runs (the tokens, then padding): 1 for plain decoding, where a
         one-row GEMM is the fastest; ``STEP_ROWS`` for every step of a speculative request, so a verify row
-        equals the step without drafts bit for bit. ``bucketed``: the rows attend in one call, each as a batch
-        entry whose shape depends on its slot only (``BucketedAttention``: every step of a speculative request,
-        and plain steps that must equal it), instead of one exact call per row."""
+        equals the step without drafts bit for bit. The rows attend through the CPU kernel where it runs
+        (``cpu_kernels``: one call, each row's bits its own). Without it, ``bucketed``: the rows attend in one call,
+        each as a batch entry whose shape depends on its slot only (``BucketedAttention``: every step of a
+        speculative request, and plain steps that must equal it), instead of one exact call per row."""
         count = len(tokens)
         assert 0 < count <= rows <= STEP_ROWS, f"a step takes 1 to {rows} tokens, got {count}"
         length = cache.get_seq_length()
+        kernel = decode_attention() if cache.buffer.keys.device.type == "cpu" else None
+        bucketed = bucketed and kernel is None  # the kernel gives each row its own bits without buckets
         room = bucket_end(length + count - 1) - length if bucketed else count
         buffer = cache.gathered(room=room)
         device = buffer.keys.device
         padded = [*tokens, *[tokens[0]] * (rows - count)]  # padding rows repeat row 0, never written back
         positions = [*range(position, position + count), *[position] * (rows - count)]
-        attention = None
-        if bucketed:
+        attention: BucketedAttention | RowsAttention
+        if kernel is not None:
+            attention = RowsAttention(kernel, torch.arange(length + 1, length + count + 1))
+        elif bucketed:
             attention = BucketedAttention(length, count, buffer.keys.dtype, device)
             for tensor in (buffer.keys, buffer.values):  # finite past the step's tokens: masked, read as 0 * value
                 tensor[..., length + count : attention.end, :] = 0
+        else:
+            attention = RowsAttention(None, torch.arange(length + 1, length + count + 1))
         logits = self._logits(
             torch.tensor(padded, device=device)[:, None], torch.tensor(positions, device=device)[:, None],
             buffer.keys, buffer.values, length, count, attention,
@@ -183,7 +194,7 @@ class DecodeStep:
 
     def _logits(
         self, tokens: torch.Tensor, positions: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, length: int,
-        count: int, attention: BucketedAttention | None,
+        count: int, attention: BucketedAttention | RowsAttention,
     ) -> torch.Tensor:  # fmt: skip
         """Logits [count, V] after the first ``count`` of ``tokens`` [rows, 1]; writes their keys and values
         into ``keys``/``values`` [L, 1, H_kv, capacity, D] at slots ``length + t``."""
@@ -195,20 +206,31 @@ class DecodeStep:
             layer_keys, layer_values = keys[index], values[index]  # [1, H_kv, capacity, D]
             layer_keys[0, :, length : length + count] = k[:count, :, 0].transpose(0, 1)
             layer_values[0, :, length : length + count] = v[:count, :, 0].transpose(0, 1)
-            scale = layer.layer.self_attn.scaling
-            if attention is not None:
-                attended = attention(q, layer_keys, layer_values, scale)  # [count, 1, H * D]
-                if x.shape[0] > count:
-                    attended = torch.cat([attended, attended[:1].expand(x.shape[0] - count, -1, -1)])
-            else:
-                seen = [length + t + 1 for t in range(count)]  # row t as a one-token step: the cache through its slot
-                rows = [
-                    cache_attention(q[t : t + 1], layer_keys[:, :, :end], layer_values[:, :, :end], scale)
-                    for t, end in enumerate(seen)
-                ]
-                attended = torch.cat(rows + rows[:1] * (x.shape[0] - count))
+            attended = attention(q[:count], layer_keys, layer_values, layer.layer.self_attn.scaling)  # [count, 1, H*D]
+            if x.shape[0] > count:
+                attended = torch.cat([attended, attended[:1].expand(x.shape[0] - count, -1, -1)])
             x = layer.finish(x, attended)
         return self._model.lm_head(rms_norm(decoder.norm, x))[:count, -1]
+
+
+class RowsAttention:
+    """Row ``t`` of a step attends to the cache through its own slot, ``ends[t]`` keys: in one call of the CPU
+    kernel (``cpu_kernels``; a row's bits depend on its own query and keys only) or, without it, one exact flash
+    call per row (``cache_attention``)."""
+
+    def __init__(self, kernel: DecodeAttentionKernel | None, ends: torch.Tensor) -> None:
+        self._kernel, self._ends = kernel, ends
+
+    def __call__(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
+        """``q`` [count, H, 1, D], ``keys``/``values`` [1, H_kv, capacity, D]; returns [count, 1, H * D]."""
+        count, kv_heads, head_dim = q.shape[0], keys.shape[1], q.shape[-1]
+        if self._kernel is None:
+            ends = self._ends.tolist()
+            rows = [cache_attention(q[t : t + 1], keys[:, :, :e], values[:, :, :e], scale) for t, e in enumerate(ends)]
+            return torch.cat(rows)
+        folded = q.reshape(count, kv_heads, -1, head_dim).float()
+        out = self._kernel(folded, keys[0], values[0], self._ends, scale)
+        return out.to(q.dtype).reshape(count, 1, -1)
 
 
 def cache_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:

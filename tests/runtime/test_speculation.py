@@ -58,7 +58,9 @@ def _prefilled(lm, prompt: list[int]):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8", "int4"])
 @pytest.mark.parametrize("arch", DESCRIBED)
 @pytest.mark.parametrize("cached", [9, BUCKET - 2])  # rows in one bucket of keys; rows across two
-def test_a_verify_row_equals_the_one_token_step_bit_for_bit(tokenizer, arch: str, dtype: str, cached: int) -> None:
+def test_a_verify_row_equals_the_one_token_step_bit_for_bit(
+    tokenizer, decode_attention_path, arch: str, dtype: str, cached: int
+) -> None:
     lm = tiny_in(arch, dtype, tokenizer)
     runner = ModelRunner.of(lm.model)
     prompt = [(7 * i) % 500 + 3 for i in range(cached)]
@@ -84,7 +86,9 @@ def _echo_prompt(tokenizer) -> tuple[PromptCache, Prompt]:
 
 
 @pytest.mark.parametrize("arch", DESCRIBED)
-def test_greedy_output_with_speculation_is_the_plain_output(tokenizer, arch: str, monkeypatch) -> None:
+def test_greedy_output_with_speculation_is_the_plain_output(
+    tokenizer, decode_attention_path, arch: str, monkeypatch
+) -> None:
     """Bit for bit against the same steps with no drafts; within float rounding against one-row steps."""
     pc = PromptCache(tiny_model(arch, tokenizer))
     text = "The red tower stands in Paris. The red tower stands in Paris. The red tower stands in"
@@ -127,7 +131,7 @@ def _oracle(answer: list[int], vocab: int):
 @pytest.mark.parametrize("dtype", ["int8", "int4"])
 @pytest.mark.parametrize("arch", DESCRIBED)
 def test_quantized_speculation_is_plain_one_row_decoding_bit_for_bit(
-    tokenizer, arch: str, dtype: str, monkeypatch
+    tokenizer, decode_attention_path, arch: str, dtype: str, monkeypatch
 ) -> None:
     """With every linear layer on its quantized kernel, a row's bits do not depend on the step's row count, and a
     plain step attends as a speculative row does: a step runs as many rows as it has tokens, and speculative output

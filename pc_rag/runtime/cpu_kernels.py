@@ -1,0 +1,88 @@
+"""The CPU decode-attention kernel (``csrc/decode_attention.cpp``), compiled once per machine on first use.
+
+PyTorch's flash kernel reads a bfloat16 cache at ~6 GB/s on an AVX2 CPU (it widens in software) and attends a
+verify step's rows one batch entry each (``verify_attention``): at 8K tokens a decode step spent 32 of its 58 ms
+there (``examples/decode_kernels_floor.py``). The kernel reads each (KV head, chunk of 256 slots) once for every
+row and query head that sees it, widens bfloat16 in registers and merges the chunks by log-sum-exp in order. A
+row's bits depend on its own query and the slots it sees only, so a fed token and the same token verified
+beside drafts get the same bits without padding the cache to buckets.
+
+It is built with ``torch.utils.cpp_extension`` (a C++ compiler and ninja; ~30 s the first time, then loaded from
+``$PC_RAG_KERNEL_CACHE``, by default ``~/.cache/pc_rag/kernels``) for CPUs with AVX2 and FMA. Elsewhere, when the
+build fails, or with ``PC_RAG_CPU_KERNELS=0``, ``decode_attention()`` is None and the step uses the flash path.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import threading
+from pathlib import Path
+from types import ModuleType
+from typing import Protocol
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).resolve().parent / "csrc" / "decode_attention.cpp"
+SWITCH = "PC_RAG_CPU_KERNELS"
+CACHE = "PC_RAG_KERNEL_CACHE"
+
+
+class DecodeAttention(Protocol):
+    def __call__(
+        self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, ends: torch.Tensor, scale: float
+    ) -> torch.Tensor:
+        """``q`` [R, H_kv, G, D] float32, ``keys``/``values`` [H_kv, S, D] (bfloat16 or float32, slots may be
+        strided), ``ends`` int64 [R]: row r attends to slots ``0..ends[r]-1``. Returns [R, H_kv, G, D] float32."""
+        ...
+
+
+_LOCK = threading.Lock()
+_LOADED: list[ModuleType | None] = []
+
+
+def _supported() -> str | None:
+    """Why the kernel cannot run here, or None."""
+    if os.environ.get(SWITCH, "1") == "0":
+        return f"{SWITCH}=0"
+    capability = torch.backends.cpu.get_cpu_capability()
+    if not capability.startswith(("AVX2", "AVX512")):
+        return f"the CPU's vector capability is {capability}, the kernel needs AVX2 and FMA"
+    if shutil.which(os.environ.get("CXX", "c++")) is None:
+        return "no C++ compiler (c++ or $CXX) on PATH"
+    return None
+
+
+def _build() -> ModuleType | None:
+    reason = _supported()
+    if reason is not None:
+        logger.info("CPU decode-attention kernel off: %s; decoding uses PyTorch's flash kernel", reason)
+        return None
+    from torch.utils import cpp_extension
+
+    source = SOURCE.read_bytes()
+    tag = hashlib.sha256(source + torch.__version__.encode()).hexdigest()[:16]
+    directory = Path(os.environ.get(CACHE) or Path.home() / ".cache" / "pc_rag" / "kernels") / tag
+    directory.mkdir(parents=True, exist_ok=True)
+    flags = ["-O3", "-mavx2", "-mfma", "-fopenmp"]  # OpenMP: at::parallel_for on torch's own thread pool
+    try:
+        return cpp_extension.load(
+            name=f"pc_rag_decode_attention_{tag}", sources=[str(SOURCE)], extra_cflags=flags,
+            extra_ldflags=["-fopenmp"], build_directory=str(directory), verbose=False,
+        )  # fmt: skip
+    except (RuntimeError, OSError, ImportError, SystemExit) as error:  # no ninja, a compiler error, a bad cache
+        logger.warning("CPU decode-attention kernel not built (%s); decoding uses PyTorch's flash kernel", error)
+        return None
+
+
+def decode_attention() -> DecodeAttention | None:
+    """The kernel, built or loaded on first call (once per process); None where it cannot run (see module)."""
+    with _LOCK:
+        if not _LOADED:
+            _LOADED.append(_build())
+        module = _LOADED[0]
+    return None if module is None else module.decode_attention  # type: ignore[no-any-return]

@@ -1,0 +1,254 @@
+// Decode attention on the CPU: a few query rows over a KV cache read once, each row with bits of its own.
+//
+// q [R, H_kv, G, D] float32 (G query heads per KV head), keys/values [H_kv, S, D] (bfloat16 or float32, the
+// slot axis may be strided), ends [R]: row r attends to slots 0..ends[r]-1. The cache is cut in chunks of
+// CHUNK slots; a work item is one (KV head, chunk), read once for every row and query head that sees it:
+// scores, their max, exp and the weighted values, kept per chunk and merged by log-sum-exp in chunk order.
+// A row's arithmetic depends on its own query and end only, never on the other rows or the thread count, so a
+// row gets the same bits alone, beside drafts, or in another step.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <cmath>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+namespace {
+
+constexpr int64_t CHUNK = 256;
+constexpr int64_t MAX_D = 256;
+
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+
+inline __m256 load8(const at::BFloat16* p) {
+  __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// exp(x) for x <= 0: 2^n * p(r), r = x - n ln2 in [-ln2/2, ln2/2], p a degree-6 polynomial (~1 ulp).
+inline __m256 exp8(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+  __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                             _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.3981999507e-3f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+// Scores of N query heads q[n] [dim] against count key slots [count, stride]: each key vector is loaded once for
+// the N heads; each head's dot products are its own chains (the same bits for any N).
+template <int N, typename T>
+void scores_of(const float* const* q, const T* keys, int64_t stride, int64_t dim, int64_t count, float scale,
+               float* const* out) {
+  const int64_t vectors = dim / 8;
+  int64_t s = 0;
+  for (; s + 4 <= count; s += 4) {  // four slots at a time, reduced together
+    __m256 a[N][4];
+    for (int n = 0; n < N; ++n)
+      for (int t = 0; t < 4; ++t) a[n][t] = _mm256_setzero_ps();
+    for (int64_t j = 0; j < vectors; ++j) {
+      __m256 k0 = load8(keys + (s + 0) * stride + 8 * j), k1 = load8(keys + (s + 1) * stride + 8 * j);
+      __m256 k2 = load8(keys + (s + 2) * stride + 8 * j), k3 = load8(keys + (s + 3) * stride + 8 * j);
+      for (int n = 0; n < N; ++n) {
+        __m256 qj = _mm256_loadu_ps(q[n] + 8 * j);
+        a[n][0] = _mm256_fmadd_ps(qj, k0, a[n][0]);
+        a[n][1] = _mm256_fmadd_ps(qj, k1, a[n][1]);
+        a[n][2] = _mm256_fmadd_ps(qj, k2, a[n][2]);
+        a[n][3] = _mm256_fmadd_ps(qj, k3, a[n][3]);
+      }
+    }
+    for (int n = 0; n < N; ++n) {
+      __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a[n][0], a[n][1]), _mm256_hadd_ps(a[n][2], a[n][3]));
+      __m128 sums = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+      _mm_storeu_ps(out[n] + s, _mm_mul_ps(sums, _mm_set1_ps(scale)));
+    }
+  }
+  for (; s < count; ++s) {
+    for (int n = 0; n < N; ++n) {
+      __m256 a = _mm256_setzero_ps();
+      for (int64_t j = 0; j < vectors; ++j)
+        a = _mm256_fmadd_ps(_mm256_loadu_ps(q[n] + 8 * j), load8(keys + s * stride + 8 * j), a);
+      out[n][s] = hsum(a) * scale;
+    }
+  }
+}
+
+// acc[n] [dim] = sum over count slots of weights[n][s] * values[s]: each value vector loaded once for the N heads,
+// 32 dims at a time; each head's sums are its own chains.
+template <int N, typename T>
+void weighted_values(const float* const* weights, const T* values, int64_t stride, int64_t dim, int64_t count,
+                     float* const* acc) {
+  for (int64_t d = 0; d < dim; d += 32) {
+    const int64_t width = std::min<int64_t>(4, (dim - d) / 8);
+    __m256 o[N][4];
+    for (int n = 0; n < N; ++n)
+      for (int j = 0; j < 4; ++j) o[n][j] = _mm256_setzero_ps();
+    for (int64_t s = 0; s < count; ++s) {
+      __m256 v[4];
+      for (int64_t j = 0; j < width; ++j) v[j] = load8(values + s * stride + d + 8 * j);
+      for (int n = 0; n < N; ++n) {
+        __m256 w = _mm256_set1_ps(weights[n][s]);
+        for (int64_t j = 0; j < width; ++j) o[n][j] = _mm256_fmadd_ps(w, v[j], o[n][j]);
+      }
+    }
+    for (int n = 0; n < N; ++n)
+      for (int64_t j = 0; j < width; ++j) _mm256_storeu_ps(acc[n] + d + 8 * j, o[n][j]);
+  }
+}
+
+// exp(score - max) in place over a row's count scores; returns the max and their sum.
+inline std::pair<float, float> softmax_terms(float* row, int64_t count) {
+  float top = -INFINITY;
+  for (int64_t s = 0; s < count; ++s) top = std::max(top, row[s]);
+  for (int64_t s = count; s < (count + 7) / 8 * 8; ++s) row[s] = -INFINITY;
+  __m256 total = _mm256_setzero_ps(), shift = _mm256_set1_ps(top);
+  for (int64_t s = 0; s < count; s += 8) {
+    __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(row + s), shift));
+    if (s + 8 > count) {  // lanes past the row's last slot count nothing
+      alignas(32) float lanes[8];
+      _mm256_store_ps(lanes, e);
+      for (int64_t l = count - s; l < 8; ++l) lanes[l] = 0.0f;
+      e = _mm256_load_ps(lanes);
+    }
+    _mm256_storeu_ps(row + s, e);
+    total = _mm256_add_ps(total, e);
+  }
+  return {top, hsum(total)};
+}
+
+// N query heads of one row over one chunk: maxes, sums and weighted values of each.
+template <int N, typename T>
+void heads_pass(const float* const* q, const T* keys, const T* values, int64_t stride, int64_t dim, int64_t count,
+                float scale, float* const* rows, float* const* acc, float* maxes, float* sums) {
+  scores_of<N, T>(q, keys, stride, dim, count, scale, rows);
+  for (int n = 0; n < N; ++n) std::tie(maxes[n], sums[n]) = softmax_terms(rows[n], count);
+  weighted_values<N, T>(rows, values, stride, dim, count, acc);
+}
+
+// One (KV head, chunk): for every (row, query head) pair that sees it, its max score, the sum of exp(score - max)
+// and the values weighted by them, over its own slots of the chunk; a row's query heads go three at a time.
+template <typename T>
+void chunk_pass(const float* q, const T* k, const T* v, int64_t slot_stride, const int64_t* ends, int64_t rows,
+                int64_t groups, int64_t dim, int64_t start, float scale, float* scratch, float* acc, float* maxes,
+                float* sums) {
+  const T* keys = k + start * slot_stride;
+  const T* values = v + start * slot_stride;
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t count = std::min(ends[r] - start, CHUNK);
+    if (count <= 0) continue;
+    for (int64_t g = 0; g < groups; g += 3) {
+      const int n = static_cast<int>(std::min<int64_t>(3, groups - g));
+      const float* qs[3];
+      float* row[3];
+      float* out[3];
+      for (int i = 0; i < n; ++i) {
+        qs[i] = q + (r * groups + g + i) * dim;
+        row[i] = scratch + i * (CHUNK + 8);
+        out[i] = acc + (r * groups + g + i) * dim;
+      }
+      float* m = maxes + r * groups + g;
+      float* l = sums + r * groups + g;
+      if (n == 3) heads_pass<3, T>(qs, keys, values, slot_stride, dim, count, scale, row, out, m, l);
+      else if (n == 2) heads_pass<2, T>(qs, keys, values, slot_stride, dim, count, scale, row, out, m, l);
+      else heads_pass<1, T>(qs, keys, values, slot_stride, dim, count, scale, row, out, m, l);
+    }
+  }
+}
+
+template <typename T>
+torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& keys, const torch::Tensor& values,
+                     const torch::Tensor& ends, double scale) {
+  const int64_t rows = q.size(0), heads = q.size(1), groups = q.size(2), dim = q.size(3);
+  const int64_t* end = ends.data_ptr<int64_t>();
+  int64_t longest = 0;
+  for (int64_t r = 0; r < rows; ++r) longest = std::max(longest, end[r]);
+  const int64_t chunks = (longest + CHUNK - 1) / CHUNK, pairs = rows * groups;
+  // per (head, chunk): max and sum per pair [pairs], weighted values [pairs, dim]
+  auto maxes = torch::empty({heads, chunks, pairs}, q.options());
+  auto sums = torch::empty({heads, chunks, pairs}, q.options());
+  auto partial = torch::empty({heads, chunks, pairs, dim}, q.options());
+  const float* qp = q.data_ptr<float>();
+  const T* kp = keys.data_ptr<T>();
+  const T* vp = values.data_ptr<T>();
+  const int64_t head_stride = keys.stride(0), slot_stride = keys.stride(1);
+  at::parallel_for(0, heads * chunks, 1, [&](int64_t first, int64_t last) {
+    std::vector<float> scratch(3 * (CHUNK + 8));
+    std::vector<float> head_q(pairs * dim);
+    for (int64_t item = first; item < last; ++item) {
+      const int64_t h = item / chunks, c = item % chunks;
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t g = 0; g < groups; ++g)
+          std::copy_n(qp + ((r * heads + h) * groups + g) * dim, dim, head_q.data() + (r * groups + g) * dim);
+      chunk_pass<T>(head_q.data(), kp + h * head_stride, vp + h * head_stride, slot_stride, end, rows, groups, dim,
+                    c * CHUNK, static_cast<float>(scale), scratch.data(),
+                    partial.data_ptr<float>() + item * pairs * dim, maxes.data_ptr<float>() + item * pairs,
+                    sums.data_ptr<float>() + item * pairs);
+    }
+  });
+  auto out = torch::empty({rows, heads, groups, dim}, q.options());
+  float* op = out.data_ptr<float>();
+  const float* mp = maxes.data_ptr<float>();
+  const float* sp = sums.data_ptr<float>();
+  const float* pp = partial.data_ptr<float>();
+  for (int64_t r = 0; r < rows; ++r) {  // merge a row's chunks in order, by log-sum-exp
+    const int64_t own = (end[r] + CHUNK - 1) / CHUNK;
+    for (int64_t h = 0; h < heads; ++h) {
+      for (int64_t g = 0; g < groups; ++g) {
+        const int64_t pair = r * groups + g;
+        float top = -INFINITY;
+        for (int64_t c = 0; c < own; ++c) top = std::max(top, mp[(h * chunks + c) * pairs + pair]);
+        float total = 0.0f;
+        float* dst = op + ((r * heads + h) * groups + g) * dim;
+        std::fill(dst, dst + dim, 0.0f);
+        for (int64_t c = 0; c < own; ++c) {
+          const int64_t at = (h * chunks + c) * pairs + pair;
+          const float weight = std::exp(mp[at] - top);
+          total += sp[at] * weight;
+          for (int64_t d = 0; d < dim; ++d) dst[d] += pp[at * dim + d] * weight;
+        }
+        for (int64_t d = 0; d < dim; ++d) dst[d] /= total;
+      }
+    }
+  }
+  return out;
+}
+
+torch::Tensor decode_attention(torch::Tensor q, torch::Tensor keys, torch::Tensor values, torch::Tensor ends,
+                               double scale) {
+  TORCH_CHECK(q.dim() == 4 && q.scalar_type() == torch::kFloat32 && q.is_contiguous(),
+              "q must be a contiguous float32 [rows, kv_heads, groups, dim] tensor");
+  TORCH_CHECK(keys.dim() == 3 && values.sizes() == keys.sizes() && values.strides() == keys.strides(),
+              "keys and values must be [kv_heads, slots, dim] views of the same shape and strides");
+  TORCH_CHECK(keys.size(0) == q.size(1) && keys.size(2) == q.size(3), "q and the cache disagree on heads or dim");
+  TORCH_CHECK(keys.stride(2) == 1 && q.size(3) % 8 == 0 && q.size(3) <= MAX_D, "dim must be contiguous, 8k <= 256");
+  TORCH_CHECK(ends.scalar_type() == torch::kInt64 && ends.dim() == 1 && ends.size(0) == q.size(0),
+              "ends must be int64 [rows]");
+  TORCH_CHECK(keys.scalar_type() == values.scalar_type(), "keys and values must share a dtype");
+  auto contiguous_ends = ends.contiguous();
+  const int64_t* end = contiguous_ends.data_ptr<int64_t>();
+  for (int64_t r = 0; r < q.size(0); ++r)
+    TORCH_CHECK(end[r] > 0 && end[r] <= keys.size(1), "row ", r, " sees ", end[r], " keys, not 1 to ", keys.size(1));
+  if (keys.scalar_type() == torch::kBFloat16) return attend<at::BFloat16>(q, keys, values, contiguous_ends, scale);
+  TORCH_CHECK(keys.scalar_type() == torch::kFloat32, "the cache must be bfloat16 or float32");
+  return attend<float>(q, keys, values, contiguous_ends, scale);
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("decode_attention", &decode_attention); }
