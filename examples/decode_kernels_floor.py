@@ -6,9 +6,9 @@ heads folded onto their KV head, as ``cache_attention`` calls it) and the weight
 row. Each row gives microseconds per call (median of ``--calls``, cycling through copies of the tensors larger
 than the L3 cache, as a step reads them), what the call must read, the GB/s that makes and its gap to the floor
 (bytes / the bandwidth ``sum`` reads a 1 GiB tensor at, same threads). Alternatives are
-timed beside the kernel each step runs: the float32 cache, the cache split in parts merged by log-sum-exp
-(flash-decoding), the attention as inductor-compiled reductions (``--compile``; needs a C++ compiler), and
-float32 activations into the int4 kernel.
+timed beside PyTorch's kernels: pc-rag's own attention kernel where it runs (``runtime/cpu_kernels.py``), the
+float32 cache, the cache split in parts merged by log-sum-exp (flash-decoding), the attention as
+inductor-compiled reductions (``--compile``; needs a C++ compiler), and float32 activations into the int4 kernel.
 
     python examples/decode_kernels_floor.py --compile --json examples/results/decode_kernels_zen3.json
 """
@@ -29,6 +29,8 @@ from pc_rag.attention import FLASH_CPU
 from pc_rag.bench.provenance import commit, machine
 from pc_rag.bench.timing import read_bandwidth_gb_s
 from pc_rag.model import load_model
+from pc_rag.runtime.cpu_kernels import decode_attention
+from pc_rag.runtime.verify_attention import BucketedAttention
 from pc_rag.weights import Int4Linear, Int8Linear
 
 SPAN = 96 << 20
@@ -76,6 +78,7 @@ def attention_rows(config: object, lengths: list[int], calls: int, bandwidth: fl
     dim = getattr(config, "head_dim", None) or config.hidden_size // heads  # type: ignore[attr-defined]
     scale, rows = dim**-0.5, []
     compiled = torch.compile(reductions, dynamic=True) if compile_ else None
+    ours = decode_attention()
     for length in lengths:
         for dtype in (torch.bfloat16, torch.float32):
             read, shape = 2 * kv_heads * length * dim * dtype.itemsize, f"{length} slots, cache {str(dtype)[6:]}"
@@ -85,6 +88,17 @@ def attention_rows(config: object, lengths: list[int], calls: int, bandwidth: fl
                 for _ in range(copies(read))
             ]  # fmt: skip
             kernels = {"flash": [partial(FLASH_CPU, *t, scale=scale) for t in tensors]}
+            if ours is not None:  # the step's kernel where it runs: q in float32, the cache [H_kv, S, D]
+                ends = torch.tensor([length])
+                kernels["pc-rag kernel"] = [partial(ours, q.float(), k[0], v[0], ends, scale) for q, k, v in tensors]
+            if dtype == torch.bfloat16:  # a verify step: 4 rows at the last 4 slots
+                verify = BucketedAttention(length - 4, 4, dtype, torch.device("cpu"))
+                rows4 = torch.randn(4, heads, 1, dim).to(dtype)
+                kernels["flash, 4 rows (buckets)"] = [partial(verify, rows4, k, v, scale) for _, k, v in tensors]
+                if ours is not None:
+                    ends4, q4 = torch.arange(length - 3, length + 1), rows4.reshape(4, kv_heads, -1, dim).float()
+                    four = [partial(ours, q4, k[0], v[0], ends4, scale) for _, k, v in tensors]
+                    kernels["pc-rag kernel, 4 rows"] = four
             if dtype == torch.bfloat16:
                 parts = 8 if length % 8 == 0 and length >= 4096 else 2
                 kernels[f"flash, split in {parts}"] = [partial(split_flash, *t, parts, scale) for t in tensors]
