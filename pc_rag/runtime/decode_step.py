@@ -28,7 +28,7 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 from pc_rag.attention import FLASH_CPU
 from pc_rag.kv import BufferCache
 from pc_rag.runtime.cpu_kernels import DecodeAttention as DecodeAttentionKernel
-from pc_rag.runtime.cpu_kernels import decode_attention
+from pc_rag.runtime.cpu_kernels import decode_attention_over
 from pc_rag.runtime.verify_attention import BucketedAttention, bucket_end
 from pc_rag.weights import KERNEL_ROWS, FusedKernel, QuantizedLinear
 
@@ -135,10 +135,10 @@ class DecodeStep:
 
     One token and a token followed by drafts (speculative decoding) run the same shapes: the rows are padded to
     ``STEP_ROWS``, and row ``t`` attends to the cache and rows ``< t`` with bits that depend on its slot only: in
-    the CPU kernel (``cpu_kernels``) for every step, else, in a speculative request (``bucketed``), as a batch
-    entry whose shape depends on its slot only (``verify_attention``), so a row's logits are bit-identical
-    whether it was fed or drafted. Without the kernel, dense plain decoding attends its one row in one exact
-    call (``cache_attention``).
+    the CPU kernel (``cpu_kernels``, over a bfloat16 cache) for every step, else, in a speculative request
+    (``bucketed``), as a batch entry whose shape depends on its slot only (``verify_attention``), so a row's
+    logits are bit-identical whether it was fed or drafted. Without the kernel, dense plain decoding attends its
+    one row in one exact call (``cache_attention``).
     """
 
     def __init__(self, model: PreTrainedModel) -> None:
@@ -161,14 +161,15 @@ class DecodeStep:
     ) -> torch.Tensor:
         """``rows``: the row count every matmul runs (the tokens, then padding): 1 for plain decoding, where a
         one-row GEMM is the fastest; ``STEP_ROWS`` for every step of a speculative request, so a verify row
-        equals the step without drafts bit for bit. The rows attend through the CPU kernel where it runs
-        (``cpu_kernels``: one call, each row's bits its own). Without it, ``bucketed``: the rows attend in one call,
-        each as a batch entry whose shape depends on its slot only (``BucketedAttention``: every step of a
-        speculative request, and plain steps that must equal it), instead of one exact call per row."""
+        equals the step without drafts bit for bit. The rows attend through the CPU kernel where it runs, over a
+        bfloat16 cache (``cpu_kernels``: one call, each row's bits its own). Without it, ``bucketed``: the rows
+        attend in one call, each as a batch entry whose shape depends on its slot only (``BucketedAttention``:
+        every step of a speculative request, and plain steps that must equal it), instead of one exact call per
+        row."""
         count = len(tokens)
         assert 0 < count <= rows <= STEP_ROWS, f"a step takes 1 to {rows} tokens, got {count}"
         length = cache.get_seq_length()
-        kernel = decode_attention() if cache.buffer.keys.device.type == "cpu" else None
+        kernel = decode_attention_over(cache.buffer.keys)
         bucketed = bucketed and kernel is None  # the kernel gives each row its own bits without buckets
         room = bucket_end(length + count - 1) - length if bucketed else count
         buffer = cache.gathered(room=room)

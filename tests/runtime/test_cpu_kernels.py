@@ -76,3 +76,9 @@ def test_switched_off_the_step_has_no_kernel(monkeypatch: pytest.MonkeyPatch) ->
     monkeypatch.setenv(cpu_kernels.SWITCH, "0")
     monkeypatch.setattr(cpu_kernels, "_LOADED", [])
     assert cpu_kernels.decode_attention() is None
+
+
+def test_steps_use_it_over_bfloat16_caches_only() -> None:
+    """Over float32 the flash kernel is as fast (decode_kernels_floor.py), so float32 models keep it."""
+    assert cpu_kernels.decode_attention_over(torch.zeros(1, 3, 8, 64, dtype=torch.bfloat16)) is KERNEL
+    assert cpu_kernels.decode_attention_over(torch.zeros(1, 3, 8, 64)) is None
