@@ -83,5 +83,6 @@ def test_the_wheel_installs_and_imports_every_subpackage(tmp_path: Path) -> None
     outside = {name: f for name, f in report["files"].items() if not Path(f).is_relative_to(venv)}
     assert not outside, f"imported from outside the installed wheel: {outside}"
     assert (Path(report["files"]["pc_rag"]).parent / "data" / "hotpotqa_sample.jsonl").is_file()
+    assert (Path(report["files"]["pc_rag"]).parent / "runtime" / "csrc" / "decode_attention.cpp").is_file()
     still = subprocess.run([*pip, "show", "pc-rag"], capture_output=True, text=True)
     assert still.returncode == 0, "the test uninstalled the environment's own pc-rag"

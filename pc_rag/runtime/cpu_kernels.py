@@ -70,6 +70,8 @@ def _build() -> ModuleType | None:
     directory = Path(os.environ.get(CACHE) or Path.home() / ".cache" / "pc_rag" / "kernels") / tag
     directory.mkdir(parents=True, exist_ok=True)
     flags = ["-O3", "-mavx2", "-mfma", "-fopenmp"]  # OpenMP: at::parallel_for on torch's own thread pool
+    if not any(directory.glob("*.so")):
+        logger.info("building the CPU decode-attention kernel once into %s (~30 s)", directory)
     try:
         return cpp_extension.load(
             name=f"pc_rag_decode_attention_{tag}", sources=[str(SOURCE)], extra_cflags=flags,

@@ -82,3 +82,10 @@ def test_steps_use_it_over_bfloat16_caches_only() -> None:
     """Over float32 the flash kernel is as fast (decode_kernels_floor.py), so float32 models keep it."""
     assert cpu_kernels.decode_attention_over(torch.zeros(1, 3, 8, 64, dtype=torch.bfloat16)) is KERNEL
     assert cpu_kernels.decode_attention_over(torch.zeros(1, 3, 8, 64)) is None
+
+
+def test_without_a_compiler_decoding_keeps_the_flash_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CXX", "/nonexistent/c++")
+    monkeypatch.setattr(cpu_kernels, "_LOADED", [])
+    assert "no C++ compiler" in str(cpu_kernels._supported())
+    assert cpu_kernels.decode_attention() is None
