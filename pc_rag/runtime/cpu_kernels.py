@@ -8,14 +8,16 @@ row's bits depend on its own query and the slots it sees only, so a fed token an
 beside drafts get the same bits without padding the cache to buckets. Steps use it over bfloat16 caches (the
 quantized and bfloat16 dtypes); over float32 the flash kernel is as fast (``decode_attention_over``).
 
-It is built with ``torch.utils.cpp_extension`` (a C++ compiler and ninja; ~30 s the first time, then loaded from
-``$PC_RAG_KERNEL_CACHE``, by default ``~/.cache/pc_rag/kernels``) for CPUs with AVX2 and FMA. Elsewhere, when the
+It is built with ``torch.utils.cpp_extension`` (a C++ compiler and ninja; ~30 s the first time, then loaded in
+milliseconds from ``$PC_RAG_KERNEL_CACHE``, by default ``~/.cache/pc_rag/kernels``, one directory per source,
+flags and torch installation) for CPUs with AVX2 and FMA. Elsewhere, when the
 build fails, or with ``PC_RAG_CPU_KERNELS=0``, ``decode_attention()`` is None and the step uses the flash path.
 """
 
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import logging
 import os
 import shutil
@@ -58,25 +60,57 @@ def _supported() -> str | None:
     return None
 
 
+FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp"]  # OpenMP: at::parallel_for on torch's own thread pool
+READY = "ready"
+"""Written (by rename) after a build succeeded: its content is the built module's file name."""
+
+
+def _build_directory() -> tuple[str, Path]:
+    """The module's name and directory: keyed by the source, the flags and the torch installation (two
+    environments sharing a home directory would otherwise rebuild each other's)."""
+    key = SOURCE.read_bytes() + " ".join(FLAGS).encode() + torch.__version__.encode() + torch.__file__.encode()
+    tag = hashlib.sha256(key).hexdigest()[:16]
+    root = Path(os.environ.get(CACHE) or Path.home() / ".cache" / "pc_rag" / "kernels")
+    return f"pc_rag_decode_attention_{tag}", root / tag
+
+
+def _load_built(directory: Path) -> ModuleType | None:
+    """The module a finished build left in ``directory`` (milliseconds; ``cpp_extension.load`` takes ~2.5 s to
+    find it up to date), or None."""
+    ready = directory / READY
+    if not ready.is_file():
+        return None
+    path = directory / ready.read_text().strip()
+    spec = importlib.util.spec_from_file_location(path.name.split(".")[0], path)
+    if spec is None or spec.loader is None or not path.is_file():
+        return None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def _build() -> ModuleType | None:
     reason = _supported()
     if reason is not None:
         logger.info("CPU decode-attention kernel off: %s; decoding uses PyTorch's flash kernel", reason)
         return None
-    from torch.utils import cpp_extension
-
-    source = SOURCE.read_bytes()
-    tag = hashlib.sha256(source + torch.__version__.encode()).hexdigest()[:16]
-    directory = Path(os.environ.get(CACHE) or Path.home() / ".cache" / "pc_rag" / "kernels") / tag
-    directory.mkdir(parents=True, exist_ok=True)
-    flags = ["-O3", "-mavx2", "-mfma", "-fopenmp"]  # OpenMP: at::parallel_for on torch's own thread pool
-    if not any(directory.glob("*.so")):
-        logger.info("building the CPU decode-attention kernel once into %s (~30 s)", directory)
+    name, directory = _build_directory()
     try:
-        return cpp_extension.load(
-            name=f"pc_rag_decode_attention_{tag}", sources=[str(SOURCE)], extra_cflags=flags,
-            extra_ldflags=["-fopenmp"], build_directory=str(directory), verbose=False,
+        built = _load_built(directory)
+        if built is not None:
+            return built
+        from torch.utils import cpp_extension
+
+        directory.mkdir(parents=True, exist_ok=True)
+        logger.info("building the CPU decode-attention kernel once into %s (~30 s)", directory)
+        module = cpp_extension.load(
+            name=name, sources=[str(SOURCE)], extra_cflags=FLAGS, extra_ldflags=["-fopenmp"],
+            build_directory=str(directory), verbose=False,
         )  # fmt: skip
+        marker = directory / f"{READY}.{os.getpid()}"
+        marker.write_text(Path(module.__file__ or "").name)
+        marker.replace(directory / READY)
+        return module
     except (RuntimeError, OSError, ImportError, SystemExit) as error:  # no ninja, a compiler error, a bad cache
         logger.warning("CPU decode-attention kernel not built (%s); decoding uses PyTorch's flash kernel", error)
         return None

@@ -89,3 +89,14 @@ def test_without_a_compiler_decoding_keeps_the_flash_path(monkeypatch: pytest.Mo
     monkeypatch.setattr(cpu_kernels, "_LOADED", [])
     assert "no C++ compiler" in str(cpu_kernels._supported())
     assert cpu_kernels.decode_attention() is None
+
+
+def test_a_finished_build_loads_directly_and_an_unfinished_one_does_not(tmp_path) -> None:
+    _, directory = cpu_kernels._build_directory()
+    module = cpu_kernels._load_built(directory)  # what the next process loads, without cpp_extension
+    assert module is not None
+    q, (keys, values) = torch.randn(1, 3, 3, 64), cache(3, 16, 64, torch.bfloat16)
+    assert torch.equal(module.decode_attention(q, keys, values, torch.tensor([9]), 0.125),
+                       KERNEL(q, keys, values, torch.tensor([9]), 0.125))  # type: ignore[misc]  # fmt: skip
+    (tmp_path / "pc_rag_decode_attention_x.so").write_bytes(b"half a build")  # no ready marker: not loaded
+    assert cpu_kernels._load_built(tmp_path) is None
