@@ -229,7 +229,7 @@ class RowsAttention:
             ends = self._ends.tolist()
             rows = [cache_attention(q[t : t + 1], keys[:, :, :e], values[:, :, :e], scale) for t, e in enumerate(ends)]
             return torch.cat(rows)
-        folded = q.reshape(count, kv_heads, -1, head_dim).float()
+        folded = q.reshape(count, kv_heads, -1, head_dim).float().contiguous()  # a copy unless q was float32
         out = self._kernel(folded, keys[0], values[0], self._ends, scale)
         return out.to(q.dtype).reshape(count, 1, -1)
 
