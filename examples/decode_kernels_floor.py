@@ -16,9 +16,9 @@ inductor-compiled reductions (``--compile``; needs a C++ compiler), and float32 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
-import time
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
@@ -27,7 +27,7 @@ import torch
 
 from pc_rag.attention import FLASH_CPU
 from pc_rag.bench.provenance import commit, machine
-from pc_rag.bench.timing import read_bandwidth_gb_s
+from pc_rag.bench.timing import read_bandwidth_gb_s, timed_runs
 from pc_rag.model import load_model
 from pc_rag.runtime.cpu_kernels import decode_attention
 from pc_rag.runtime.verify_attention import BucketedAttention
@@ -43,16 +43,10 @@ def copies(read: int) -> int:
 
 
 def median_us(calls: list[Callable[[], object]], timed: int) -> float:
-    """Median microseconds of ``timed`` calls, taking ``calls`` (one per copy of the tensors) in turn."""
-    for call in calls:
-        call()
-    times = []
-    for index in range(timed):
-        call = calls[index % len(calls)]
-        start = time.perf_counter()
-        call()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e6
+    """Median microseconds of ``timed`` calls (after one warm-up), taking ``calls`` (one per copy of the tensors)
+    in turn."""
+    turns = itertools.cycle(calls)
+    return statistics.median(timed_runs(lambda: next(turns)(), timed)) * 1e6
 
 
 def split_flash(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, parts: int, scale: float) -> torch.Tensor:

@@ -127,8 +127,9 @@ def decode_attention_over(keys: torch.Tensor) -> DecodeAttention | None:
 
 def decode_attention() -> DecodeAttention | None:
     """The kernel, built or loaded on first call (once per process); None where it cannot run (see module)."""
-    with _LOCK:
-        if not _LOADED:
-            _LOADED.append(_build())
-        module = _LOADED[0]
+    if not _LOADED:  # every decode step asks: the lock only until the first build or load
+        with _LOCK:
+            if not _LOADED:
+                _LOADED.append(_build())
+    module = _LOADED[0]
     return None if module is None else module.decode_attention  # type: ignore[no-any-return]
