@@ -34,14 +34,13 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import nn
 from transformers import PreTrainedModel
 
 from pc_rag.errors import PCRagError
-from pc_rag.weights import KERNEL_ROWS, QuantizedLinear, dense_linear
+from pc_rag.weights import LowRankTerm, QuantizedLinear, dense_linear
 
 # (adapter, side, rows left unadapted at the start of each call's sequence) while ``applied()`` or
 # ``encoding_applied()``
@@ -145,7 +144,7 @@ class SpliceAdapter(nn.Module):
 
         def adapted(x: torch.Tensor, side: str) -> torch.Tensor:
             if isinstance(linear, QuantizedLinear) and linear.takes_kernel(x):
-                return kernel_plus_low_rank(plain(x), x, *pairs[side])
+                return LowRankTerm(*pairs[side])(plain(x), x)
             return dense_linear(x, weights[side], linear.bias)
 
         def forward(x: torch.Tensor) -> torch.Tensor:
@@ -161,8 +160,7 @@ class SpliceAdapter(nn.Module):
             state = self._state()
             if state is None or state[1] or not isinstance(linear, QuantizedLinear):
                 return None  # off, or plain rows lead the call: only the module can split them
-            a, b = pairs[state[0]]
-            return lambda out, x: kernel_plus_low_rank(out, x, a, b)
+            return LowRankTerm(*pairs[state[0]])
 
         # decode_step.kernel_corrections: whether this forward acts now, and what it adds to a kernel's rows
         forward.acts = lambda: self._state() is not None  # type: ignore[attr-defined]
@@ -314,19 +312,6 @@ def _digest(header: str, tensors: Mapping[str, torch.Tensor]) -> str:
         h.update(name.encode())
         h.update(tensor.detach().float().cpu().contiguous().numpy().tobytes())
     return h.hexdigest()[:16]
-
-
-def kernel_plus_low_rank(out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``out`` (a quantized kernel's rows for ``x``, at most ``KERNEL_ROWS``) plus ``b @ a`` applied to ``x``. A
-    row must get the same bits in a step of 1 row as of ``KERNEL_ROWS`` (batched decoding equals decoding alone,
-    as the kernel gives it), so the term is always computed over ``KERNEL_ROWS`` rows (``x``'s, then zeros) as
-    products summed within each row: same shapes, same reductions, whatever the row count (AVX2's reductions
-    over few elements differ by output count). ``a`` [r, in], ``b`` [out, r] (scale included)."""
-    rows = x.reshape(-1, x.shape[-1]).float()
-    padded = F.pad(rows, (0, 0, 0, KERNEL_ROWS - rows.shape[0]))  # [KERNEL_ROWS, in]
-    low = (padded.unsqueeze(1) * a).sum(-1)  # [KERNEL_ROWS, r]
-    term = (low.unsqueeze(1) * b).sum(-1)[: rows.shape[0]]  # [rows, out]
-    return (out.float() + term.view(out.shape)).to(out.dtype)
 
 
 def _target_modules(model: PreTrainedModel, targets: Sequence[str]) -> dict[str, nn.Linear]:

@@ -1,4 +1,4 @@
-"""The CPU decode-attention kernel (``csrc/decode_attention.cpp``), compiled once per machine on first use.
+"""The CPU kernels (``csrc/``), compiled once per machine on first use: decode attention and the step's layers.
 
 PyTorch's flash kernel reads a bfloat16 cache at ~6 GB/s on an AVX2 CPU (it widens in software) and attends a
 verify step's rows one batch entry each (``verify_attention``): at 8K tokens a decode step spent 32 of its 58 ms
@@ -7,6 +7,8 @@ row and query head that sees it, widens bfloat16 in registers and merges the chu
 row's bits depend on its own query and the slots it sees only, so a fed token and the same token verified
 beside drafts get the same bits without padding the cache to buckets. Steps use it over bfloat16 caches (the
 quantized and bfloat16 dtypes); over float32 the flash kernel is as fast (``decode_attention_over``).
+``decode_layers()`` runs a step's decoder layers in one C++ call over the same ATen ops (``csrc/decode_layers.cpp``,
+used by ``native_layers``).
 
 It is built with ``torch.utils.cpp_extension`` (a C++ compiler and ninja; ~30 s the first time, then loaded in
 milliseconds from ``$PC_RAG_KERNEL_CACHE``, by default ``~/.cache/pc_rag/kernels``, one directory per source,
@@ -30,7 +32,9 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).resolve().parent / "csrc" / "decode_attention.cpp"
+CSRC = Path(__file__).resolve().parent / "csrc"
+SOURCES = sorted(CSRC.glob("*.cpp"))
+HEADERS = sorted(CSRC.glob("*.h"))
 SWITCH = "PC_RAG_CPU_KERNELS"
 CACHE = "PC_RAG_KERNEL_CACHE"
 
@@ -68,10 +72,11 @@ READY = "ready"
 def _build_directory() -> tuple[str, Path]:
     """The module's name and directory: keyed by the source, the flags and the torch installation (two
     environments sharing a home directory would otherwise rebuild each other's)."""
-    key = SOURCE.read_bytes() + " ".join(FLAGS).encode() + torch.__version__.encode() + torch.__file__.encode()
+    key = b"".join(path.read_bytes() for path in (*SOURCES, *HEADERS))
+    key += " ".join(FLAGS).encode() + torch.__version__.encode() + torch.__file__.encode()
     tag = hashlib.sha256(key).hexdigest()[:16]
     root = Path(os.environ.get(CACHE) or Path.home() / ".cache" / "pc_rag" / "kernels")
-    return f"pc_rag_decode_attention_{tag}", root / tag
+    return f"pc_rag_cpu_kernels_{tag}", root / tag
 
 
 def _load_built(directory: Path) -> ModuleType | None:
@@ -102,9 +107,9 @@ def _build() -> ModuleType | None:
         from torch.utils import cpp_extension
 
         directory.mkdir(parents=True, exist_ok=True)
-        logger.info("building the CPU decode-attention kernel once into %s (~30 s)", directory)
+        logger.info("building the CPU kernels once into %s (~1 min)", directory)
         module = cpp_extension.load(
-            name=name, sources=[str(SOURCE)], extra_cflags=FLAGS, extra_ldflags=["-fopenmp"],
+            name=name, sources=[str(path) for path in SOURCES], extra_cflags=FLAGS, extra_ldflags=["-fopenmp"],
             build_directory=str(directory), verbose=False,
         )  # fmt: skip
         marker = directory / f"{READY}.{os.getpid()}"
@@ -125,11 +130,22 @@ def decode_attention_over(keys: torch.Tensor) -> DecodeAttention | None:
     return decode_attention()
 
 
-def decode_attention() -> DecodeAttention | None:
-    """The kernel, built or loaded on first call (once per process); None where it cannot run (see module)."""
+def _module() -> ModuleType | None:
+    """The built module, built or loaded on first call (once per process); None where it cannot run."""
     if not _LOADED:  # every decode step asks: the lock only until the first build or load
         with _LOCK:
             if not _LOADED:
                 _LOADED.append(_build())
-    module = _LOADED[0]
+    return _LOADED[0]
+
+
+def decode_attention() -> DecodeAttention | None:
+    """The attention kernel; None where it cannot run (see module)."""
+    module = _module()
     return None if module is None else module.decode_attention  # type: ignore[no-any-return]
+
+
+def decode_layers() -> type | None:
+    """``csrc/decode_layers.cpp``'s ``DecodeLayers`` class; None where the kernels cannot run."""
+    module = _module()
+    return None if module is None else module.DecodeLayers  # type: ignore[no-any-return]

@@ -29,6 +29,7 @@ from pc_rag.attention import FLASH_CPU
 from pc_rag.kv import BufferCache
 from pc_rag.runtime.cpu_kernels import DecodeAttention as DecodeAttentionKernel
 from pc_rag.runtime.cpu_kernels import decode_attention_over
+from pc_rag.runtime.native_layers import NativeLayers
 from pc_rag.runtime.verify_attention import BucketedAttention, bucket_end
 from pc_rag.weights import KERNEL_ROWS, FusedKernel, QuantizedLinear
 
@@ -145,6 +146,7 @@ class DecodeStep:
         self._model = model
         self._decoder = model.get_decoder()
         self._layers = [FusedLayer(layer) for layer in self._decoder.layers]
+        self._native: list[NativeLayers | None] = []  # built on the first step over the attention kernel
 
     @classmethod
     def of(cls, model: PreTrainedModel) -> DecodeStep | None:
@@ -202,6 +204,10 @@ class DecodeStep:
         decoder = self._decoder
         x = decoder.embed_tokens(tokens)  # [rows, 1, hidden]
         rotary = decoder.rotary_emb(x, positions)
+        native = self._native_layers() if isinstance(attention, RowsAttention) and attention.on_kernel else None
+        out = None if native is None else native.run(x, rotary, keys, values, length, count, attention.ends)
+        if out is not None:  # the loop below, in C++ (native_layers)
+            return self._model.lm_head(rms_norm(decoder.norm, out))[:count, -1]
         for index, layer in enumerate(self._layers):
             q, k, v = layer.project(x, rotary)  # [rows, H(_kv), 1, D]
             layer_keys, layer_values = keys[index], values[index]  # [1, H_kv, capacity, D]
@@ -213,6 +219,13 @@ class DecodeStep:
             x = layer.finish(x, attended)
         return self._model.lm_head(rms_norm(decoder.norm, x))[:count, -1]
 
+    def _native_layers(self) -> NativeLayers | None:
+        if not self._native:
+            with _LOCK:
+                if not self._native:
+                    self._native.append(NativeLayers.of(self._layers))
+        return self._native[0]
+
 
 class RowsAttention:
     """Row ``t`` of a step attends to the cache through its own slot, ``ends[t]`` keys: in one call of the CPU
@@ -220,17 +233,21 @@ class RowsAttention:
     call per row (``cache_attention``)."""
 
     def __init__(self, kernel: DecodeAttentionKernel | None, ends: torch.Tensor) -> None:
-        self._kernel, self._ends = kernel, ends
+        self._kernel, self.ends = kernel, ends
+
+    @property
+    def on_kernel(self) -> bool:
+        return self._kernel is not None
 
     def __call__(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
         """``q`` [count, H, 1, D], ``keys``/``values`` [1, H_kv, capacity, D]; returns [count, 1, H * D]."""
         count, kv_heads, head_dim = q.shape[0], keys.shape[1], q.shape[-1]
         if self._kernel is None:
-            ends = self._ends.tolist()
+            ends = self.ends.tolist()
             rows = [cache_attention(q[t : t + 1], keys[:, :, :e], values[:, :, :e], scale) for t, e in enumerate(ends)]
             return torch.cat(rows)
         folded = q.reshape(count, kv_heads, -1, head_dim).float().contiguous()  # a copy unless q was float32
-        out = self._kernel(folded, keys[0], values[0], self._ends, scale)
+        out = self._kernel(folded, keys[0], values[0], self.ends, scale)
         return out.to(q.dtype).reshape(count, 1, -1)
 
 

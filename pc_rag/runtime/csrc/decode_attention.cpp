@@ -6,7 +6,8 @@
 // scores, their max, exp and the weighted values, kept per chunk and merged by log-sum-exp in chunk order.
 // A row's arithmetic depends on its own query and end only, never on the other rows or the thread count, so a
 // row gets the same bits alone, beside drafts, or in another step.
-#include <torch/extension.h>
+#include "kernels.h"
+
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
@@ -229,6 +230,10 @@ torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& keys, const to
   return out;
 }
 
+}  // namespace
+
+namespace pc_rag {
+
 torch::Tensor decode_attention(torch::Tensor q, torch::Tensor keys, torch::Tensor values, torch::Tensor ends,
                                double scale) {
   TORCH_CHECK(q.dim() == 4 && q.scalar_type() == torch::kFloat32 && q.is_contiguous(),
@@ -249,6 +254,4 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor keys, torch::Tenso
   return attend<float>(q, keys, values, contiguous_ends, scale);
 }
 
-}  // namespace
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("decode_attention", &decode_attention); }
+}  // namespace pc_rag

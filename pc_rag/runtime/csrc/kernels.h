@@ -1,0 +1,38 @@
+// What the CPU kernels' sources share: each file one kernel, bindings.cpp the Python module.
+#pragma once
+
+#include <torch/extension.h>
+
+#include <optional>
+#include <vector>
+
+namespace pc_rag {
+
+// decode_attention.cpp: rows of queries over a KV cache, each row with bits of its own.
+torch::Tensor decode_attention(torch::Tensor q, torch::Tensor keys, torch::Tensor values, torch::Tensor ends,
+                               double scale);
+
+// decode_layers.cpp: a decode step's decoder layers, the ATen calls of decode_step.py made from C++.
+class DecodeLayers {
+ public:
+  using Tensors = std::vector<std::optional<torch::Tensor>>;
+
+  DecodeLayers(std::vector<Tensors> layers, std::vector<std::vector<int64_t>> splits, std::vector<int64_t> kinds,
+               std::vector<double> eps, int64_t heads, int64_t kv_heads, int64_t head_dim, double scale);
+
+  torch::Tensor forward(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, torch::Tensor keys,
+                        torch::Tensor values, int64_t length, int64_t count, torch::Tensor ends,
+                        Tensors corrections) const;
+
+  int64_t size() const { return static_cast<int64_t>(layers_.size()); }
+
+ private:
+  std::vector<Tensors> layers_;
+  std::vector<std::vector<int64_t>> splits_;
+  std::vector<int64_t> kinds_;
+  std::vector<double> eps_;
+  int64_t heads_, kv_heads_, head_dim_;
+  double scale_;
+};
+
+}  // namespace pc_rag
