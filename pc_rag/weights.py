@@ -267,24 +267,3 @@ class FusedKernel:
     def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
         """Each layer's output for bfloat16 rows ``x`` [..., in] (at most ``KERNEL_ROWS`` rows)."""
         return list(_kernel_call(self._matmul, self.tensors, self.bias, x).split(self.splits, dim=-1))
-
-
-@dataclass(frozen=True)
-class LowRankTerm:
-    """``fix(out, x)``: ``out`` (a quantized kernel's rows for ``x``, at most ``KERNEL_ROWS``) plus ``b @ a``
-    applied to ``x``, as a merged splice adapter adds it to a layer's kernel rows. A row must get the same bits in
-    a step of 1 row as of ``KERNEL_ROWS`` (batched decoding equals decoding alone, as the kernel gives it), so the
-    term is always computed over ``KERNEL_ROWS`` rows (``x``'s, then zeros) as products summed within each row:
-    same shapes, same reductions, whatever the row count (AVX2's reductions over few elements differ by output
-    count). ``a`` [r, in], ``b`` [out, r] (scale included), float32; ``csrc/decode_layers.cpp`` adds it the
-    same way."""
-
-    a: torch.Tensor
-    b: torch.Tensor
-
-    def __call__(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, x.shape[-1]).float()
-        padded = F.pad(rows, (0, 0, 0, KERNEL_ROWS - rows.shape[0]))  # [KERNEL_ROWS, in]
-        low = (padded.unsqueeze(1) * self.a).sum(-1)  # [KERNEL_ROWS, r]
-        term = (low.unsqueeze(1) * self.b).sum(-1)[: rows.shape[0]]  # [rows, out]
-        return (out.float() + term.view(out.shape)).to(out.dtype)

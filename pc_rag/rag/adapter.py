@@ -40,7 +40,7 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from pc_rag.errors import PCRagError
-from pc_rag.weights import LowRankTerm, QuantizedLinear, dense_linear
+from pc_rag.weights import QuantizedLinear, dense_linear
 
 # (adapter, side, rows left unadapted at the start of each call's sequence) while ``applied()`` or
 # ``encoding_applied()``
@@ -144,6 +144,8 @@ class SpliceAdapter(nn.Module):
 
         def adapted(x: torch.Tensor, side: str) -> torch.Tensor:
             if isinstance(linear, QuantizedLinear) and linear.takes_kernel(x):
+                from pc_rag.runtime.low_rank import LowRankTerm  # the store loads this module, never the runtime
+
                 return LowRankTerm(*pairs[side])(plain(x), x)
             return dense_linear(x, weights[side], linear.bias)
 
@@ -160,6 +162,8 @@ class SpliceAdapter(nn.Module):
             state = self._state()
             if state is None or state[1] or not isinstance(linear, QuantizedLinear):
                 return None  # off, or plain rows lead the call: only the module can split them
+            from pc_rag.runtime.low_rank import LowRankTerm
+
             return LowRankTerm(*pairs[state[0]])
 
         # decode_step.kernel_corrections: whether this forward acts now, and what it adds to a kernel's rows

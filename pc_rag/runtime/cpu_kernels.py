@@ -24,6 +24,7 @@ import logging
 import os
 import shutil
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 from typing import Protocol
@@ -143,6 +144,12 @@ def decode_attention() -> DecodeAttention | None:
     """The attention kernel; None where it cannot run (see module)."""
     module = _module()
     return None if module is None else module.decode_attention  # type: ignore[no-any-return]
+
+
+def low_rank_term() -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None:
+    """``csrc/low_rank.cpp``'s ``low_rank_term(out, x, a, b)``; None where the kernels cannot run."""
+    module = _module()
+    return None if module is None else module.low_rank_term  # type: ignore[no-any-return]
 
 
 def decode_layers() -> type | None:

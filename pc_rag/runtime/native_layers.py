@@ -20,7 +20,8 @@ import torch
 from torch import nn
 
 from pc_rag.runtime.cpu_kernels import decode_layers
-from pc_rag.weights import FusedKernel, Int4Linear, Int8Linear, LowRankTerm, QuantizedLinear
+from pc_rag.runtime.low_rank import LowRankTerm
+from pc_rag.weights import FusedKernel, Int4Linear, Int8Linear, QuantizedLinear
 
 if TYPE_CHECKING:
     from pc_rag.runtime.decode_step import FusedLayer

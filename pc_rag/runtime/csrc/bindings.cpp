@@ -4,6 +4,7 @@
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   namespace py = pybind11;
   m.def("decode_attention", &pc_rag::decode_attention);
+  m.def("low_rank_term", &pc_rag::low_rank_term);
   py::class_<pc_rag::DecodeLayers>(m, "DecodeLayers")
       .def(py::init<std::vector<pc_rag::DecodeLayers::Tensors>, std::vector<std::vector<int64_t>>,
                     std::vector<int64_t>, std::vector<double>, int64_t, int64_t, int64_t, double>())

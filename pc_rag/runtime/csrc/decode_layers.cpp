@@ -1,10 +1,12 @@
-// A decode step's decoder layers in one call: the ATen ops of decode_step.py (DecodeStep over the attention
-// kernel), in the same order, shapes and dtypes, called from C++.
+// A decode step's decoder layers in one call: decode_step.py's loop (DecodeStep over the attention kernel), with
+// the same bits, from C++.
 //
 // A step of a 135M model on 2 cores ran ~3,000 ATen ops from Python, ~7 us each, for ~8 ms of kernels: the
-// interpreter, not the bytes, set its time. The same calls made here skip Python and the GIL (released for the
-// call), and give the same bits: each op is the kernel Python reaches, on the same shapes, so a row's bits still
-// depend on its own token and slot only (tests/runtime/test_native_step.py compares the two paths bit for bit).
+// interpreter, not the bytes, set its time. Here the kernels (quantized matmuls, norms' statistics, SiLU, the
+// attention kernel, low_rank.cpp's adapter term) are the calls the Python loop makes, on the same shapes, and the
+// elementwise ops between them (RoPE, the cache writes, the norms' weight, residuals) are loops that round to
+// bfloat16 where the ATen ops round; the GIL is released for the call. A row's bits still depend on its own token
+// and slot only (tests/runtime/test_native_layers.py compares the two paths bit for bit).
 //
 // Per layer, tensors in the order of Slot (undefined where absent: no bias, no per-head norm); projections are
 // quantized kernel calls, kind 4 (_weight_int4pack_mm_for_cpu, group 32) or 8 (_weight_int8pack_mm).
@@ -19,7 +21,6 @@ enum Slot : size_t {
 };
 enum Projection : size_t { kQkv, kO, kGateUp, kDown, kProjections };
 enum Epsilon : size_t { kEps1, kEps2, kEpsQ, kEpsK, kEpsilons };
-constexpr int64_t kKernelRows = 4;  // weights.KERNEL_ROWS
 constexpr int64_t kInt4Group = 32;  // weights.INT4_GROUP
 constexpr size_t kCorrections = 14;  // (a, b) of q, k, v, o, gate, up, down
 
@@ -29,32 +30,49 @@ const torch::Tensor& at_slot(const Tensors& tensors, size_t slot) {
   return *tensors[slot];  // checked defined by the constructor where required
 }
 
+using BFloat16 = at::BFloat16;
+
+inline float widen(BFloat16 v) { return static_cast<float>(v); }
+
+// Rows of bfloat16 [rows, n] elementwise, one thread: a decode step's rows are a few thousand elements, where an
+// ATen call's dispatch and allocation cost more than its arithmetic. Each loop computes in float32 and rounds to
+// bfloat16 (nearest even) where the ATen op it replaces rounds, so it gives that op's bits.
+
+// weight * normalized.to(bfloat16): decode_step.rms_norm after its float32 statistics.
+torch::Tensor scaled(const torch::Tensor& normalized, const torch::Tensor& weight) {
+  auto values = normalized.contiguous();
+  auto out = torch::empty(values.sizes(), values.options().dtype(torch::kBFloat16));
+  const float* in = values.data_ptr<float>();
+  const BFloat16* w = weight.data_ptr<BFloat16>();
+  BFloat16* o = out.data_ptr<BFloat16>();
+  const int64_t n = weight.numel(), total = values.numel();
+  for (int64_t i = 0; i < total; ++i) o[i] = BFloat16(widen(w[i % n]) * widen(BFloat16(in[i])));
+  return out;
+}
+
 // decode_step.rms_norm: float32 statistics, the weight applied in the input dtype.
 torch::Tensor rms_norm(const torch::Tensor& weight, const torch::Tensor& x, double eps) {
-  auto normalized = at::rms_norm(x.to(torch::kFloat32), {x.size(-1)}, std::nullopt, eps);
-  return weight * normalized.to(x.scalar_type());
+  return scaled(at::rms_norm(x.to(torch::kFloat32), {x.size(-1)}, std::nullopt, eps), weight);
 }
 
-// weights._kernel_call: the quantized kernel over x's rows, its bias, the input's leading shape.
+// x + y, both bfloat16 [rows, n] contiguous: a residual connection.
+torch::Tensor plus(const torch::Tensor& x, const torch::Tensor& y) {
+  auto other = y.contiguous();
+  auto out = torch::empty_like(x);
+  const BFloat16* a = x.data_ptr<BFloat16>();
+  const BFloat16* b = other.data_ptr<BFloat16>();
+  BFloat16* o = out.data_ptr<BFloat16>();
+  for (int64_t i = 0, total = x.numel(); i < total; ++i) o[i] = BFloat16(widen(a[i]) + widen(b[i]));
+  return out;
+}
+
+// weights._kernel_call over [rows, in] bfloat16 rows: the quantized kernel, then its bias.
 torch::Tensor kernel_call(int64_t kind, const torch::Tensor& weight, const torch::Tensor& scales,
                           const std::optional<torch::Tensor>& bias, const torch::Tensor& x) {
-  auto rows = x.reshape({-1, x.size(-1)}).contiguous();
+  auto rows = x.contiguous();
   auto out = kind == 4 ? at::_weight_int4pack_mm_for_cpu(rows, weight, kInt4Group, scales)
                        : at::_weight_int8pack_mm(rows, weight, scales);
-  if (bias) out = out + *bias;
-  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end() - 1);
-  shape.push_back(-1);
-  return out.reshape(shape);
-}
-
-// rag.adapter.kernel_plus_low_rank: out plus (b @ a) x, over KERNEL_ROWS rows whatever the row count.
-torch::Tensor plus_low_rank(const torch::Tensor& out, const torch::Tensor& x, const torch::Tensor& a,
-                            const torch::Tensor& b) {
-  auto rows = x.reshape({-1, x.size(-1)}).to(torch::kFloat32);
-  auto padded = at::constant_pad_nd(rows, {0, 0, 0, kKernelRows - rows.size(0)}, 0);
-  auto low = (padded.unsqueeze(1) * a).sum(-1);
-  auto term = (low.unsqueeze(1) * b).sum(-1).narrow(0, 0, rows.size(0));
-  return (out.to(torch::kFloat32) + term.view(out.sizes())).to(out.scalar_type());
+  return bias ? out + *bias : out;
 }
 
 // Each part of a fused kernel's output, with the low-rank term of the modules that have one.
@@ -65,16 +83,33 @@ std::vector<torch::Tensor> corrected(torch::Tensor out, const std::vector<int64_
   if (corrections.empty()) return result;
   for (size_t i = 0; i < result.size(); ++i) {
     const auto& a = corrections[2 * (first + i)];
-    if (a) result[i] = plus_low_rank(result[i], x, *a, *corrections[2 * (first + i) + 1]);
+    if (a) result[i] = low_rank_term(result[i], x, *a, *corrections[2 * (first + i) + 1]);
   }
   return result;
 }
 
-// transformers' rotate-half RoPE: (t * cos) + (rotate_half(t) * sin).
-torch::Tensor rotate(const torch::Tensor& t, const torch::Tensor& cos, const torch::Tensor& sin) {
-  const int64_t half = t.size(-1) / 2;
-  auto rotated = at::cat({-t.narrow(-1, half, t.size(-1) - half), t.narrow(-1, 0, half)}, -1);
-  return (t * cos) + (rotated * sin);
+// transformers' rotate-half RoPE, (t * cos) + (rotate_half(t) * sin), of element d of head row t (bfloat16):
+// each product rounds to bfloat16, then their sum, as the three ATen ops do.
+inline BFloat16 rotated(const BFloat16* t, int64_t d, int64_t half, float cos, float sin) {
+  const float other = d < half ? -widen(t[d + half]) : widen(t[d - half]);
+  return BFloat16(widen(BFloat16(widen(t[d]) * cos)) + widen(BFloat16(other * sin)));
+}
+
+// Heads [rows, heads, D] (bfloat16, rows and heads strided) of the first `count` rows, rotated; each element
+// handed to `put(row, head, d, value)`.
+template <typename Put>
+void rotate_heads(const torch::Tensor& heads, const torch::Tensor& cos, const torch::Tensor& sin, int64_t count,
+                  Put put) {
+  TORCH_CHECK(heads.stride(2) == 1, "a head's values must be contiguous");
+  const int64_t n = heads.size(1), dim = heads.size(2), half = dim / 2;
+  const BFloat16* base = heads.data_ptr<BFloat16>();
+  const BFloat16* c = cos.data_ptr<BFloat16>();
+  const BFloat16* s = sin.data_ptr<BFloat16>();
+  for (int64_t r = 0; r < count; ++r)
+    for (int64_t h = 0; h < n; ++h) {
+      const BFloat16* t = base + r * heads.stride(0) + h * heads.stride(1);
+      for (int64_t d = 0; d < dim; ++d) put(r, h, d, rotated(t, d, half, widen(c[r * dim + d]), widen(s[r * dim + d])));
+    }
 }
 
 }  // namespace
@@ -98,64 +133,91 @@ DecodeLayers::DecodeLayers(std::vector<Tensors> layers, std::vector<std::vector<
       TORCH_CHECK(layer[slot].has_value() && layer[slot]->defined(), "layer ", index, " lacks tensor ", slot);
     TORCH_CHECK(layer[kQNorm].has_value() == layer[kKNorm].has_value(), "layer ", index,
                 " has one per-head norm of two");
+    for (size_t slot : {kNorm1, kNorm2, kQNorm, kKNorm})
+      TORCH_CHECK(!layer[slot] || (layer[slot]->scalar_type() == torch::kBFloat16 && layer[slot]->is_contiguous()),
+                  "layer ", index, "'s norm weights must be contiguous bfloat16");
   }
 }
 
 torch::Tensor DecodeLayers::forward(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, torch::Tensor keys,
                                     torch::Tensor values, int64_t length, int64_t count, torch::Tensor ends,
                                     Tensors corrections) const {
-  const int64_t rows = x.size(0), steps = x.size(1);
-  TORCH_CHECK(x.dim() == 3 && steps == 1, "x must be [rows, 1, hidden]");
+  TORCH_CHECK(x.dim() == 3 && x.size(1) == 1 && x.scalar_type() == torch::kBFloat16,
+              "x must be bfloat16 [rows, 1, hidden]");
+  const int64_t rows = x.size(0), hidden = x.size(2), dim = head_dim_;
   TORCH_CHECK(count >= 1 && count <= rows, "count must be 1 to ", rows, ", got ", count);
-  TORCH_CHECK(keys.dim() == 5 && keys.size(0) == size() && keys.sizes() == values.sizes(),
-              "keys and values must be [layers, 1, kv_heads, capacity, dim] for ", size(), " layers");
+  TORCH_CHECK(keys.dim() == 5 && keys.size(0) == size() && keys.sizes() == values.sizes() &&
+                  keys.strides() == values.strides() && keys.scalar_type() == torch::kBFloat16,
+              "keys and values must be bfloat16 [layers, 1, kv_heads, capacity, dim] for ", size(), " layers");
+  TORCH_CHECK(keys.size(2) == kv_heads_ && keys.size(4) == dim && keys.stride(4) == 1,
+              "the cache must have ", kv_heads_, " KV heads of ", dim, " contiguous values");
   TORCH_CHECK(length >= 0 && length + count <= keys.size(3), "slots ", length, "..", length + count,
               " are past the cache's ", keys.size(3));
+  TORCH_CHECK(cos.sizes() == sin.sizes() && cos.numel() == rows * dim && cos.scalar_type() == torch::kBFloat16,
+              "cos and sin must be bfloat16 [rows, 1, ", dim, "]");
   TORCH_CHECK(corrections.empty() || corrections.size() == kCorrections * layers_.size(),
               "corrections must be empty or ", kCorrections, " per layer");
-  auto cos_heads = cos.unsqueeze(1), sin_heads = sin.unsqueeze(1);  // [rows, 1, 1, D]
+  auto cos_rows = cos.contiguous(), sin_rows = sin.contiguous();
+  auto state = x.reshape({rows, hidden}).contiguous();  // [rows, hidden], one row per token
   for (size_t index = 0; index < layers_.size(); ++index) {
     const auto& layer = layers_[index];
     Tensors fixes;
     if (!corrections.empty())
       fixes.assign(corrections.begin() + kCorrections * index, corrections.begin() + kCorrections * (index + 1));
     // FusedLayer.project
-    auto h = rms_norm(at_slot(layer, kNorm1), x, eps_[kEps1]);
+    auto h = rms_norm(at_slot(layer, kNorm1), state, eps_[kEps1]);
     auto qkv = corrected(kernel_call(kinds_[kQkv], at_slot(layer, kQkvWeight), at_slot(layer, kQkvScales),
                                      layer[kQkvBias], h),
                          splits_[0], h, fixes, 0);
-    auto q = qkv[0].view({rows, steps, -1, head_dim_}), k = qkv[1].view({rows, steps, -1, head_dim_});
+    auto q = qkv[0].view({rows, -1, dim}), k = qkv[1].view({rows, -1, dim}), v = qkv[2].view({rows, -1, dim});
     if (layer[kQNorm]) {
       q = rms_norm(*layer[kQNorm], q, eps_[kEpsQ]);
       k = rms_norm(*layer[kKNorm], k, eps_[kEpsK]);
     }
-    q = rotate(q.transpose(1, 2), cos_heads, sin_heads);  // [rows, H, 1, D]
-    k = rotate(k.transpose(1, 2), cos_heads, sin_heads);
-    auto v = qkv[2].view({rows, steps, -1, head_dim_}).transpose(1, 2);
-    // DecodeStep._logits: the step's keys and values into the buffer, then RowsAttention over the kernel
+    // DecodeStep._logits: the step's rotated keys and its values into the buffer, the rotated queries as the
+    // attention kernel's float32 [count, H_kv, G, D] (query head h = kv head * G + g)
+    const int64_t layer_offset = static_cast<int64_t>(index) * keys.stride(0);
+    BFloat16* key_slots = keys.data_ptr<BFloat16>() + layer_offset + length * keys.stride(3);
+    BFloat16* value_slots = values.data_ptr<BFloat16>() + layer_offset + length * keys.stride(3);
+    const int64_t head_stride = keys.stride(2), slot_stride = keys.stride(3);
+    rotate_heads(k, cos_rows, sin_rows, count, [&](int64_t r, int64_t g, int64_t d, BFloat16 value) {
+      key_slots[g * head_stride + r * slot_stride + d] = value;
+    });
+    const BFloat16* v_base = v.data_ptr<BFloat16>();
+    for (int64_t r = 0; r < count; ++r)
+      for (int64_t g = 0; g < kv_heads_; ++g)
+        std::copy_n(v_base + r * v.stride(0) + g * v.stride(1), dim,
+                    value_slots + g * head_stride + r * slot_stride);
+    auto folded = torch::empty({count, kv_heads_, q.size(1) / kv_heads_, dim}, state.options().dtype(torch::kFloat32));
+    float* folded_q = folded.data_ptr<float>();
+    const int64_t q_heads = q.size(1);
+    rotate_heads(q, cos_rows, sin_rows, count, [&](int64_t r, int64_t h, int64_t d, BFloat16 value) {
+      folded_q[(r * q_heads + h) * dim + d] = widen(value);
+    });
     auto layer_keys = keys.select(0, static_cast<int64_t>(index)).select(0, 0);  // [H_kv, capacity, D]
     auto layer_values = values.select(0, static_cast<int64_t>(index)).select(0, 0);
-    layer_keys.narrow(1, length, count).copy_(k.narrow(0, 0, count).select(2, 0).transpose(0, 1));
-    layer_values.narrow(1, length, count).copy_(v.narrow(0, 0, count).select(2, 0).transpose(0, 1));
-    auto folded = q.narrow(0, 0, count).reshape({count, kv_heads_, -1, head_dim_}).to(torch::kFloat32).contiguous();
-    auto attended =
-        decode_attention(folded, layer_keys, layer_values, ends, scale_).to(q.scalar_type()).reshape({count, 1, -1});
-    if (rows > count) attended = at::cat({attended, attended.narrow(0, 0, 1).expand({rows - count, -1, -1})});
+    auto out = decode_attention(folded, layer_keys, layer_values, ends, scale_);  // [count, H_kv, G, D]
+    auto attended = torch::empty({rows, q_heads * dim}, state.options());  // padding rows repeat row 0
+    const float* out_rows = out.data_ptr<float>();
+    BFloat16* attended_rows = attended.data_ptr<BFloat16>();
+    const int64_t width = q_heads * dim;
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t i = 0; i < width; ++i) attended_rows[r * width + i] = BFloat16(out_rows[(r < count ? r : 0) * width + i]);
     // FusedLayer.finish
     auto o = kernel_call(kinds_[kO], at_slot(layer, kOWeight), at_slot(layer, kOScales), layer[kOBias], attended);
-    if (!fixes.empty() && fixes[6]) o = plus_low_rank(o, attended, *fixes[6], *fixes[7]);
-    x = x + o;
-    h = rms_norm(at_slot(layer, kNorm2), x, eps_[kEps2]);
+    if (!fixes.empty() && fixes[6]) o = low_rank_term(o, attended, *fixes[6], *fixes[7]);
+    state = plus(state, o);
+    h = rms_norm(at_slot(layer, kNorm2), state, eps_[kEps2]);
     auto gate_up = corrected(kernel_call(kinds_[kGateUp], at_slot(layer, kGateUpWeight),
                                          at_slot(layer, kGateUpScales), layer[kGateUpBias], h),
                              splits_[1], h, fixes, 4);
     auto mixed = at::silu(gate_up[0]) * gate_up[1];
     auto down = kernel_call(kinds_[kDown], at_slot(layer, kDownWeight), at_slot(layer, kDownScales),
                             layer[kDownBias], mixed);
-    if (!fixes.empty() && fixes[12]) down = plus_low_rank(down, mixed, *fixes[12], *fixes[13]);
-    x = x + down;
+    if (!fixes.empty() && fixes[12]) down = low_rank_term(down, mixed, *fixes[12], *fixes[13]);
+    state = plus(state, down);
   }
-  return x;
+  return state.view({rows, 1, hidden});
 }
 
 }  // namespace pc_rag

@@ -12,6 +12,9 @@ namespace pc_rag {
 torch::Tensor decode_attention(torch::Tensor q, torch::Tensor keys, torch::Tensor values, torch::Tensor ends,
                                double scale);
 
+// low_rank.cpp: out + (b @ a) x over a quantized kernel's rows, each row in an order of its own.
+torch::Tensor low_rank_term(torch::Tensor out, torch::Tensor x, torch::Tensor a, torch::Tensor b);
+
 // decode_layers.cpp: a decode step's decoder layers, the ATen calls of decode_step.py made from C++.
 class DecodeLayers {
  public:
