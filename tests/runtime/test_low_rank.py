@@ -18,12 +18,17 @@ def _inputs(rows: int, seed: int = 0, width: int = 96, rank: int = 8, features: 
     return out, x, a, b
 
 
-@pytest.mark.parametrize("path", ["cpu kernel", "aten"])
-def test_the_term_is_the_exact_product_rounded_once(path: str, monkeypatch) -> None:
-    if path == "aten":
+@pytest.fixture(params=["cpu kernel", "aten"])
+def term_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Runs a test through the kernel (``csrc/low_rank.cpp``) and the ATen formula machines without it use."""
+    if request.param == "aten":
         monkeypatch.setattr(cpu_kernels, "_LOADED", [None])
     elif cpu_kernels.low_rank_term() is None:
         pytest.skip("the CPU kernels do not run here")
+    return str(request.param)
+
+
+def test_the_term_is_the_exact_product_rounded_once(term_path: str) -> None:
     out, x, a, b = _inputs(3)
     got = LowRankTerm(a, b)(out, x)
     exact = out.double() + (x.double().reshape(3, -1) @ a.double().T @ b.double().T).view(out.shape)
@@ -31,12 +36,7 @@ def test_the_term_is_the_exact_product_rounded_once(path: str, monkeypatch) -> N
     assert torch.allclose(got.double(), exact, rtol=1e-2, atol=1e-2)
 
 
-@pytest.mark.parametrize("path", ["cpu kernel", "aten"])
-def test_a_row_gets_its_bits_alone_or_beside_others(path: str, monkeypatch) -> None:
-    if path == "aten":
-        monkeypatch.setattr(cpu_kernels, "_LOADED", [None])
-    elif cpu_kernels.low_rank_term() is None:
-        pytest.skip("the CPU kernels do not run here")
+def test_a_row_gets_its_bits_alone_or_beside_others(term_path: str) -> None:
     out, x, a, b = _inputs(4, seed=1)
     term = LowRankTerm(a, b)
     together = term(out, x)
