@@ -244,7 +244,6 @@ class FusedKernel:
         self, kind: type[QuantizedLinear], tensors: tuple[torch.Tensor, ...], layers: Sequence[QuantizedLinear]
     ) -> None:
         self.kind, self.tensors = kind, tensors
-        self._matmul = kind.matmul
         self.splits = [layer.out_features for layer in layers]
         self.bias: torch.Tensor | None = None
         if any(layer.bias is not None for layer in layers):
@@ -266,4 +265,4 @@ class FusedKernel:
 
     def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
         """Each layer's output for bfloat16 rows ``x`` [..., in] (at most ``KERNEL_ROWS`` rows)."""
-        return list(_kernel_call(self._matmul, self.tensors, self.bias, x).split(self.splits, dim=-1))
+        return list(_kernel_call(self.kind.matmul, self.tensors, self.bias, x).split(self.splits, dim=-1))

@@ -7,8 +7,8 @@ row and query head that sees it, widens bfloat16 in registers and merges the chu
 row's bits depend on its own query and the slots it sees only, so a fed token and the same token verified
 beside drafts get the same bits without padding the cache to buckets. Steps use it over bfloat16 caches (the
 quantized and bfloat16 dtypes); over float32 the flash kernel is as fast (``decode_attention_over``).
-``decode_layers()`` runs a step's decoder layers in one C++ call over the same ATen ops (``csrc/decode_layers.cpp``,
-used by ``native_layers``).
+``decode_layers()`` runs a step's decoder layers in one C++ call with the Python loop's bits
+(``csrc/decode_layers.cpp``, used by ``native_layers``); ``low_rank_term()`` is a merged adapter's term per row.
 
 It is built with ``torch.utils.cpp_extension`` (a C++ compiler and ninja; ~30 s the first time, then loaded in
 milliseconds from ``$PC_RAG_KERNEL_CACHE``, by default ``~/.cache/pc_rag/kernels``, one directory per source,

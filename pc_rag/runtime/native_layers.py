@@ -1,8 +1,9 @@
 """A decode step's decoder layers as one C++ call, for quantized models over the CPU attention kernel.
 
 ``DecodeStep`` writes a layer out as ~100 ATen calls; on SmolLM2 in int4 a one-row step at 1K ran ~3,000 of them
-from Python at ~7 us each, around ~8 ms of matmul and attention kernels. ``csrc/decode_layers.cpp`` makes the same
-calls (the same ops, shapes and dtypes, so the same bits) from C++ with the GIL released. It serves the layers
+from Python at ~7 us each, around ~8 ms of matmul and attention kernels. ``csrc/decode_layers.cpp`` runs the loop
+in C++ with the GIL released, with the same bits: the same kernel calls on the same shapes, and the elementwise ops
+between them as loops that round where ATen rounds. It serves the layers
 ``DecodeStep`` writes out where every projection runs on a quantized CPU kernel (int8 or int4: the fused q/k/v and
 gate/up kernels, o_proj and down_proj) and the cache is bfloat16 (the attention kernel's); what acts on a layer
 must be nothing or a merged adapter's low-rank term (``LowRankTerm``). Elsewhere, or with ``PC_RAG_CPU_KERNELS=0``,
@@ -21,7 +22,7 @@ from torch import nn
 
 from pc_rag.runtime.cpu_kernels import decode_layers
 from pc_rag.runtime.low_rank import LowRankTerm
-from pc_rag.weights import FusedKernel, Int4Linear, Int8Linear, QuantizedLinear
+from pc_rag.weights import FusedKernel, Int4Linear, Int8Linear
 
 if TYPE_CHECKING:
     from pc_rag.runtime.decode_step import FusedLayer
@@ -45,19 +46,17 @@ class NativeLayers:
         the CPU kernels are not built."""
         if not layers or os.environ.get(SWITCH, "1") == "0" or (kind := decode_layers()) is None:
             return None
-        attn = layers[0].layer.self_attn
-        tensors, modules = [], []
-        for fused in layers:
-            layer = fused.layer
-            parts = _layer_tensors(fused)
-            if parts is None:
-                return None
-            tensors.append(parts)
-            a, m = layer.self_attn, layer.mlp
-            modules.append((a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj, m.down_proj))
         eps, kinds = _epsilons(layers[0]), _kinds(layers[0])
         if 0 in kinds or any(_epsilons(f) != eps or _kinds(f) != kinds for f in layers):
-            return None  # the C++ loop takes one of each for every layer
+            return None  # a projection off the quantized kernels, or layers that differ: the loop takes one of each
+        tensors = [_layer_tensors(fused) for fused in layers]
+        if any(parts is None for parts in tensors):
+            return None
+        modules = [
+            (a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj, m.down_proj)
+            for a, m in ((fused.layer.self_attn, fused.layer.mlp) for fused in layers)
+        ]
+        attn = layers[0].layer.self_attn
         config = attn.config
         splits = [layers[0].qkv.splits, layers[0].gate_up.splits]  # type: ignore[union-attr]
         native = kind(
@@ -102,28 +101,25 @@ class NativeLayers:
 
 
 def _kind(module: FusedKernel | nn.Module | None) -> int:
+    """4 or 8 for an int4 or int8 kernel (fused or one layer), 0 for anything else (a dense layer, no fused kernel)."""
     kind = module.kind if isinstance(module, FusedKernel) else type(module)
     return _KINDS.get(kind, 0)
 
 
 def _layer_tensors(fused: FusedLayer) -> list[torch.Tensor | None] | None:
-    """One layer's tensors in ``csrc/decode_layers.cpp``'s slot order, or None where a projection has no
-    quantized kernel."""
+    """One layer's tensors in ``csrc/decode_layers.cpp``'s slot order (its projections on quantized kernels, see
+    ``_kinds``), or None where o_proj or down_proj has no kernel here or the layer does not compute in bfloat16."""
     layer = fused.layer
     attn, mlp = layer.self_attn, layer.mlp
-    projections = (attn.o_proj, mlp.down_proj)
-    if fused.qkv is None or fused.gate_up is None or fused.qkv.kind not in _KINDS or fused.gate_up.kind not in _KINDS:
-        return None
-    if not all(isinstance(p, QuantizedLinear) and type(p) in _KINDS for p in projections):
-        return None
-    o, down = (p.kernel_tensors() for p in projections)  # type: ignore[operator]
+    o, down = attn.o_proj.kernel_tensors(), mlp.down_proj.kernel_tensors()
     if o is None or down is None or not _is_bfloat16(layer):
         return None
     q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
     return [
-        layer.input_layernorm.weight, *fused.qkv.tensors, fused.qkv.bias,
+        layer.input_layernorm.weight, *fused.qkv.tensors, fused.qkv.bias,  # type: ignore[union-attr]
         None if q_norm is None else q_norm.weight, None if k_norm is None else k_norm.weight,
-        *o, attn.o_proj.bias, layer.post_attention_layernorm.weight, *fused.gate_up.tensors, fused.gate_up.bias,
+        *o, attn.o_proj.bias, layer.post_attention_layernorm.weight,
+        *fused.gate_up.tensors, fused.gate_up.bias,  # type: ignore[union-attr]
         *down, mlp.down_proj.bias,
     ]  # fmt: skip
 

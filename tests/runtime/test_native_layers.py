@@ -10,12 +10,8 @@ from conftest import acting_adapter
 from test_speculation import DESCRIBED, _decode_under, _oracle
 from test_weights import tiny_in
 
-from pc_rag.assemble import forward_new_tokens
-from pc_rag.kv import allocate
-from pc_rag.runtime import cpu_kernels, generate
+from pc_rag.runtime import cpu_kernels
 from pc_rag.runtime.decode_step import DecodeStep
-from pc_rag.runtime.generate import SamplingParams
-from pc_rag.runtime.model_call import ModelCall
 from pc_rag.runtime.native_layers import NativeLayers
 from pc_rag.runtime.speculation import PromptLookup
 
@@ -66,15 +62,7 @@ def test_native_layers_give_the_python_loops_bits(tokenizer, arch: str, dtype: s
 
 def _decode(lm, adapter, prompt: list[int], speculative: bool) -> tuple[list[int], torch.Tensor]:
     """The greedy answer and every step's logits, under ``adapter`` (merged) where one is given."""
-    if adapter is None:
-        buffer = allocate(lm.model, len(prompt) + 48)
-        with torch.inference_mode():
-            logits, cache = forward_new_tokens(lm.model, buffer, 0, prompt, range(len(prompt)))
-        params = SamplingParams(max_new_tokens=30, keep_logits=30, speculative=speculative)
-        decoded = generate.decode_tokens(lm.model, cache, logits, len(prompt), params, frozenset(), ModelCall())
-        tokens = list(decoded)
-    else:
-        tokens, decoded = _decode_under(adapter, lm.model, prompt, speculative=speculative)
+    tokens, decoded = _decode_under(adapter, lm.model, prompt, speculative=speculative)
     return tokens, torch.stack(decoded.step_logits)
 
 

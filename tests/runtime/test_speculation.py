@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
+from contextlib import nullcontext
 
 import pytest
 import torch
@@ -198,14 +199,16 @@ def test_speculation_under_a_merged_adapter_is_plain_one_row_decoding_bit_for_bi
 
 
 def _decode_under(
-    adapter: SpliceAdapter, model: PreTrainedModel, prompt: list[int], speculative: bool
+    adapter: SpliceAdapter | None, model: PreTrainedModel, prompt: list[int], speculative: bool
 ) -> tuple[list[int], generate.DecodedTokens]:
-    """The greedy answer to ``prompt`` with ``adapter`` applied to every model call (as the default mode runs)."""
+    """The greedy answer to ``prompt`` with ``adapter`` applied to every model call (as the default mode runs), or
+    with none."""
+    context = nullcontext if adapter is None else adapter.applied
     buffer = allocate(model, len(prompt) + 48)
-    with torch.inference_mode(), adapter.applied():
+    with torch.inference_mode(), context():
         logits, cache = forward_new_tokens(model, buffer, 0, prompt, range(len(prompt)))
     params = SamplingParams(max_new_tokens=30, keep_logits=30, speculative=speculative)
-    call = ModelCall(context=adapter.applied)
+    call = ModelCall(context=context)
     decoded = generate.decode_tokens(model, cache, logits, len(prompt), params, frozenset(), call)
     return list(decoded), decoded
 

@@ -75,16 +75,18 @@ torch::Tensor kernel_call(int64_t kind, const torch::Tensor& weight, const torch
   return bias ? out + *bias : out;
 }
 
-// Each part of a fused kernel's output, with the low-rank term of the modules that have one.
-std::vector<torch::Tensor> corrected(torch::Tensor out, const std::vector<int64_t>& splits, const torch::Tensor& x,
-                                     const Tensors& corrections, size_t first) {
+// out plus the low-rank term of module `module` (0..6: q, k, v, o, gate, up, down), where it has one.
+torch::Tensor with_term(torch::Tensor out, const torch::Tensor& x, const Tensors& corrections, size_t module) {
+  if (corrections.empty() || !corrections[2 * module]) return out;
+  return low_rank_term(out, x, *corrections[2 * module], *corrections[2 * module + 1]);
+}
+
+// Each part of a fused kernel's output (modules first, first + 1, ...), with its low-rank term.
+std::vector<torch::Tensor> corrected(const torch::Tensor& out, const std::vector<int64_t>& splits,
+                                     const torch::Tensor& x, const Tensors& corrections, size_t first) {
   auto parts = out.split_with_sizes(splits, -1);
-  std::vector<torch::Tensor> result(parts.begin(), parts.end());
-  if (corrections.empty()) return result;
-  for (size_t i = 0; i < result.size(); ++i) {
-    const auto& a = corrections[2 * (first + i)];
-    if (a) result[i] = low_rank_term(result[i], x, *a, *corrections[2 * (first + i) + 1]);
-  }
+  std::vector<torch::Tensor> result;
+  for (size_t i = 0; i < parts.size(); ++i) result.push_back(with_term(parts[i], x, corrections, first + i));
   return result;
 }
 
@@ -205,8 +207,7 @@ torch::Tensor DecodeLayers::forward(torch::Tensor x, torch::Tensor cos, torch::T
       for (int64_t i = 0; i < width; ++i) attended_rows[r * width + i] = BFloat16(out_rows[(r < count ? r : 0) * width + i]);
     // FusedLayer.finish
     auto o = kernel_call(kinds_[kO], at_slot(layer, kOWeight), at_slot(layer, kOScales), layer[kOBias], attended);
-    if (!fixes.empty() && fixes[6]) o = low_rank_term(o, attended, *fixes[6], *fixes[7]);
-    state = plus(state, o);
+    state = plus(state, with_term(o, attended, fixes, 3));
     h = rms_norm(at_slot(layer, kNorm2), state, eps_[kEps2]);
     auto gate_up = corrected(kernel_call(kinds_[kGateUp], at_slot(layer, kGateUpWeight),
                                          at_slot(layer, kGateUpScales), layer[kGateUpBias], h),
@@ -214,8 +215,7 @@ torch::Tensor DecodeLayers::forward(torch::Tensor x, torch::Tensor cos, torch::T
     auto mixed = at::silu(gate_up[0]) * gate_up[1];
     auto down = kernel_call(kinds_[kDown], at_slot(layer, kDownWeight), at_slot(layer, kDownScales),
                             layer[kDownBias], mixed);
-    if (!fixes.empty() && fixes[12]) down = low_rank_term(down, mixed, *fixes[12], *fixes[13]);
-    state = plus(state, down);
+    state = plus(state, with_term(down, mixed, fixes, 6));
   }
   return state.view({rows, 1, hidden});
 }
