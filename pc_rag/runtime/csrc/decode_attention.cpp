@@ -53,16 +53,24 @@ inline __m256 exp8(__m256 x) {
 }
 
 // Scores of N query heads q[n] [dim] against count key slots [count, stride]: each key vector is loaded once for
-// the N heads; each head's dot products are its own chains (the same bits for any N).
+// the N heads; each head's dot products are its own chains (the same bits for any N). Prefetches (which never
+// fault, so past the cache's end too) bring the keys ahead and the same slots' values for weighted_values: a
+// cold cache read at ~10 GB/s without them.
 template <int N, typename T>
 void scores_of(const float* const* q, const T* keys, int64_t stride, int64_t dim, int64_t count, float scale,
-               float* const* out) {
+               float* const* out, const T* prefetch_values) {
   const int64_t vectors = dim / 8;
   int64_t s = 0;
   for (; s + 4 <= count; s += 4) {  // four slots at a time, reduced together
     __m256 a[N][4];
     for (int n = 0; n < N; ++n)
       for (int t = 0; t < 4; ++t) a[n][t] = _mm256_setzero_ps();
+    for (int t = 0; t < 4; ++t) {  // the keys 16 slots on and these slots' values, into L1 ahead of use
+      const char* kp = reinterpret_cast<const char*>(keys + (s + 16 + t) * stride);
+      _mm_prefetch(kp, _MM_HINT_T0); _mm_prefetch(kp + 64, _MM_HINT_T0);
+      const char* vp = reinterpret_cast<const char*>(prefetch_values + (s + t) * stride);
+      _mm_prefetch(vp, _MM_HINT_T0); _mm_prefetch(vp + 64, _MM_HINT_T0);
+    }
     for (int64_t j = 0; j < vectors; ++j) {
       __m256 k0 = load8(keys + (s + 0) * stride + 8 * j), k1 = load8(keys + (s + 1) * stride + 8 * j);
       __m256 k2 = load8(keys + (s + 2) * stride + 8 * j), k3 = load8(keys + (s + 3) * stride + 8 * j);
@@ -92,32 +100,50 @@ void scores_of(const float* const* q, const T* keys, int64_t stride, int64_t dim
 
 // acc[n] [dim] = sum over count slots of weights[n][s] * values[s]: each value vector loaded once for the N heads,
 // 32 dims at a time; each head's sums are its own chains.
+// weighted_values over W vectors of dims: W a constant, so the accumulators stay in registers.
+template <int N, int W, typename T>
+void weighted_block(const float* const* weights, const T* values, int64_t stride, int64_t count, float* const* acc) {
+  __m256 o[N][W];
+  for (int n = 0; n < N; ++n)
+    for (int j = 0; j < W; ++j) o[n][j] = _mm256_setzero_ps();
+  for (int64_t s = 0; s < count; ++s) {
+    __m256 w[N];
+    for (int n = 0; n < N; ++n) w[n] = _mm256_set1_ps(weights[n][s]);
+    for (int j = 0; j < W; ++j) {
+      const __m256 v = load8(values + s * stride + 8 * j);
+      for (int n = 0; n < N; ++n) o[n][j] = _mm256_fmadd_ps(w[n], v, o[n][j]);
+    }
+  }
+  for (int n = 0; n < N; ++n)
+    for (int j = 0; j < W; ++j) _mm256_storeu_ps(acc[n] + 8 * j, o[n][j]);
+}
+
+// acc[n] [dim] = sum over count slots of weights[n][s] * values[s]: each value vector loaded once for the N heads,
+// WIDTH vectors of dims at a time; each head's sums are its own chains.
 template <int N, typename T>
 void weighted_values(const float* const* weights, const T* values, int64_t stride, int64_t dim, int64_t count,
                      float* const* acc) {
-  for (int64_t d = 0; d < dim; d += 32) {
-    const int64_t width = std::min<int64_t>(4, (dim - d) / 8);
-    __m256 o[N][4];
-    for (int n = 0; n < N; ++n)
-      for (int j = 0; j < 4; ++j) o[n][j] = _mm256_setzero_ps();
-    for (int64_t s = 0; s < count; ++s) {
-      __m256 v[4];
-      for (int64_t j = 0; j < width; ++j) v[j] = load8(values + s * stride + d + 8 * j);
-      for (int n = 0; n < N; ++n) {
-        __m256 w = _mm256_set1_ps(weights[n][s]);
-        for (int64_t j = 0; j < width; ++j) o[n][j] = _mm256_fmadd_ps(w, v[j], o[n][j]);
-      }
+  constexpr int WIDTH = 4;  // 32 dims: 12 accumulators, 3 weights, a value
+  for (int64_t d = 0; d < dim; d += 8 * WIDTH) {
+    float* at[N];
+    for (int n = 0; n < N; ++n) at[n] = acc[n] + d;
+    switch (std::min<int64_t>(WIDTH, (dim - d) / 8)) {
+      case 4: weighted_block<N, 4, T>(weights, values + d, stride, count, at); break;
+      case 3: weighted_block<N, 3, T>(weights, values + d, stride, count, at); break;
+      case 2: weighted_block<N, 2, T>(weights, values + d, stride, count, at); break;
+      default: weighted_block<N, 1, T>(weights, values + d, stride, count, at); break;
     }
-    for (int n = 0; n < N; ++n)
-      for (int64_t j = 0; j < width; ++j) _mm256_storeu_ps(acc[n] + d + 8 * j, o[n][j]);
   }
 }
 
 // exp(score - max) in place over a row's count scores; returns the max and their sum.
 inline std::pair<float, float> softmax_terms(float* row, int64_t count) {
-  float top = -INFINITY;
-  for (int64_t s = 0; s < count; ++s) top = std::max(top, row[s]);
   for (int64_t s = count; s < (count + 7) / 8 * 8; ++s) row[s] = -INFINITY;
+  __m256 tops = _mm256_set1_ps(-INFINITY);  // max is exact: any order gives the same value
+  for (int64_t s = 0; s < count; s += 8) tops = _mm256_max_ps(tops, _mm256_loadu_ps(row + s));
+  __m128 half = _mm_max_ps(_mm256_castps256_ps128(tops), _mm256_extractf128_ps(tops, 1));
+  half = _mm_max_ps(half, _mm_movehl_ps(half, half));
+  const float top = _mm_cvtss_f32(_mm_max_ss(half, _mm_movehdup_ps(half)));
   __m256 total = _mm256_setzero_ps(), shift = _mm256_set1_ps(top);
   for (int64_t s = 0; s < count; s += 8) {
     __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(row + s), shift));
@@ -137,7 +163,7 @@ inline std::pair<float, float> softmax_terms(float* row, int64_t count) {
 template <int N, typename T>
 void heads_pass(const float* const* q, const T* keys, const T* values, int64_t stride, int64_t dim, int64_t count,
                 float scale, float* const* rows, float* const* acc, float* maxes, float* sums) {
-  scores_of<N, T>(q, keys, stride, dim, count, scale, rows);
+  scores_of<N, T>(q, keys, stride, dim, count, scale, rows, values);
   for (int n = 0; n < N; ++n) std::tie(maxes[n], sums[n]) = softmax_terms(rows[n], count);
   weighted_values<N, T>(rows, values, stride, dim, count, acc);
 }
