@@ -35,6 +35,13 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
+// max is exact: any order of the lanes gives the same value
+inline float hmax(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+
 // exp(x) for x <= 0: 2^n * p(r), r = x - n ln2 in [-ln2/2, ln2/2], p a degree-6 polynomial (~1 ulp).
 inline __m256 exp8(__m256 x) {
   x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
@@ -52,6 +59,13 @@ inline __m256 exp8(__m256 x) {
   return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
 
+// One slot's dim values into L1, a 64-byte line at a time.
+template <typename T>
+inline void prefetch_row(const T* row, int64_t dim) {
+  const char* bytes = reinterpret_cast<const char*>(row);
+  for (int64_t at = 0; at < dim * static_cast<int64_t>(sizeof(T)); at += 64) _mm_prefetch(bytes + at, _MM_HINT_T0);
+}
+
 // Scores of N query heads q[n] [dim] against count key slots [count, stride]: each key vector is loaded once for
 // the N heads; each head's dot products are its own chains (the same bits for any N). Prefetches (which never
 // fault, so past the cache's end too) bring the keys ahead and the same slots' values for weighted_values: a
@@ -66,10 +80,8 @@ void scores_of(const float* const* q, const T* keys, int64_t stride, int64_t dim
     for (int n = 0; n < N; ++n)
       for (int t = 0; t < 4; ++t) a[n][t] = _mm256_setzero_ps();
     for (int t = 0; t < 4; ++t) {  // the keys 16 slots on and these slots' values, into L1 ahead of use
-      const char* kp = reinterpret_cast<const char*>(keys + (s + 16 + t) * stride);
-      _mm_prefetch(kp, _MM_HINT_T0); _mm_prefetch(kp + 64, _MM_HINT_T0);
-      const char* vp = reinterpret_cast<const char*>(prefetch_values + (s + t) * stride);
-      _mm_prefetch(vp, _MM_HINT_T0); _mm_prefetch(vp + 64, _MM_HINT_T0);
+      prefetch_row(keys + (s + 16 + t) * stride, dim);
+      prefetch_row(prefetch_values + (s + t) * stride, dim);
     }
     for (int64_t j = 0; j < vectors; ++j) {
       __m256 k0 = load8(keys + (s + 0) * stride + 8 * j), k1 = load8(keys + (s + 1) * stride + 8 * j);
@@ -98,8 +110,6 @@ void scores_of(const float* const* q, const T* keys, int64_t stride, int64_t dim
   }
 }
 
-// acc[n] [dim] = sum over count slots of weights[n][s] * values[s]: each value vector loaded once for the N heads,
-// 32 dims at a time; each head's sums are its own chains.
 // weighted_values over W vectors of dims: W a constant, so the accumulators stay in registers.
 template <int N, int W, typename T>
 void weighted_block(const float* const* weights, const T* values, int64_t stride, int64_t count, float* const* acc) {
@@ -139,11 +149,9 @@ void weighted_values(const float* const* weights, const T* values, int64_t strid
 // exp(score - max) in place over a row's count scores; returns the max and their sum.
 inline std::pair<float, float> softmax_terms(float* row, int64_t count) {
   for (int64_t s = count; s < (count + 7) / 8 * 8; ++s) row[s] = -INFINITY;
-  __m256 tops = _mm256_set1_ps(-INFINITY);  // max is exact: any order gives the same value
+  __m256 tops = _mm256_set1_ps(-INFINITY);
   for (int64_t s = 0; s < count; s += 8) tops = _mm256_max_ps(tops, _mm256_loadu_ps(row + s));
-  __m128 half = _mm_max_ps(_mm256_castps256_ps128(tops), _mm256_extractf128_ps(tops, 1));
-  half = _mm_max_ps(half, _mm_movehl_ps(half, half));
-  const float top = _mm_cvtss_f32(_mm_max_ss(half, _mm_movehdup_ps(half)));
+  const float top = hmax(tops);
   __m256 total = _mm256_setzero_ps(), shift = _mm256_set1_ps(top);
   for (int64_t s = 0; s < count; s += 8) {
     __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(row + s), shift));
