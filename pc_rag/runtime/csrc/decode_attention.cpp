@@ -5,13 +5,18 @@
 // CHUNK slots; a work item is one (KV head, chunk), read once for every row and query head that sees it:
 // scores, their max, exp and the weighted values, kept per chunk and merged by log-sum-exp in chunk order.
 // A row's arithmetic depends on its own query and end only, never on the other rows or the thread count, so a
-// row gets the same bits alone, beside drafts, or in another step.
+// row gets the same bits alone, beside drafts, or in another step. On a CPU with AVX-512 (unless
+// ATEN_CPU_CAPABILITY asks for less) the scores and weighted values run on 16-lane vectors, and where several
+// rows see a whole chunk their query heads go six at a time: each key and value vector is widened once for two
+// rows (a verify step's rows cost compute, not bytes). Within one CPU a head's sums are the same for any grouping.
 #include "kernels.h"
 
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
 #include <cmath>
+#include <cstdlib>
+#include <cstring>
 #include <tuple>
 #include <utility>
 #include <vector>
@@ -146,6 +151,109 @@ void weighted_values(const float* const* weights, const T* values, int64_t strid
   }
 }
 
+#define PC_RAG_WIDE __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl")))
+
+// Whether the 16-lane kernels run: the CPU has AVX-512 (F, BW, DQ, VL) and ATEN_CPU_CAPABILITY, torch's switch
+// for its own kernels, does not ask for AVX2 or less.
+bool wide_vectors() {
+  static const bool wide = [] {
+    const char* asked = std::getenv("ATEN_CPU_CAPABILITY");
+    if (asked != nullptr && std::strncmp(asked, "avx512", 6) != 0 && std::strncmp(asked, "AVX512", 6) != 0)
+      return false;
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
+  }();
+  return wide;
+}
+
+PC_RAG_WIDE inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+
+PC_RAG_WIDE inline __m512 load16(const at::BFloat16* p) {
+  __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+
+PC_RAG_WIDE inline __m256 halves(__m512 v) {
+  return _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
+}
+
+// scores_of on 16-lane vectors (dim a multiple of 16).
+template <int N, typename T>
+PC_RAG_WIDE void wide_scores_of(const float* const* q, const T* keys, int64_t stride, int64_t dim, int64_t count,
+                                float scale, float* const* out, const T* prefetch_values) {
+  const int64_t vectors = dim / 16;
+  int64_t s = 0;
+  for (; s + 4 <= count; s += 4) {
+    __m512 a[N][4];
+    for (int n = 0; n < N; ++n)
+      for (int t = 0; t < 4; ++t) a[n][t] = _mm512_setzero_ps();
+    for (int t = 0; t < 4; ++t) {
+      prefetch_row(keys + (s + 16 + t) * stride, dim);
+      prefetch_row(prefetch_values + (s + t) * stride, dim);
+    }
+    for (int64_t j = 0; j < vectors; ++j) {
+      __m512 k0 = load16(keys + (s + 0) * stride + 16 * j), k1 = load16(keys + (s + 1) * stride + 16 * j);
+      __m512 k2 = load16(keys + (s + 2) * stride + 16 * j), k3 = load16(keys + (s + 3) * stride + 16 * j);
+      for (int n = 0; n < N; ++n) {
+        __m512 qj = _mm512_loadu_ps(q[n] + 16 * j);
+        a[n][0] = _mm512_fmadd_ps(qj, k0, a[n][0]);
+        a[n][1] = _mm512_fmadd_ps(qj, k1, a[n][1]);
+        a[n][2] = _mm512_fmadd_ps(qj, k2, a[n][2]);
+        a[n][3] = _mm512_fmadd_ps(qj, k3, a[n][3]);
+      }
+    }
+    for (int n = 0; n < N; ++n) {
+      __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(halves(a[n][0]), halves(a[n][1])),
+                                _mm256_hadd_ps(halves(a[n][2]), halves(a[n][3])));
+      __m128 sums = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+      _mm_storeu_ps(out[n] + s, _mm_mul_ps(sums, _mm_set1_ps(scale)));
+    }
+  }
+  for (; s < count; ++s) {
+    for (int n = 0; n < N; ++n) {
+      __m512 a = _mm512_setzero_ps();
+      for (int64_t j = 0; j < vectors; ++j)
+        a = _mm512_fmadd_ps(_mm512_loadu_ps(q[n] + 16 * j), load16(keys + s * stride + 16 * j), a);
+      out[n][s] = hsum(halves(a)) * scale;
+    }
+  }
+}
+
+// weighted_block on 16-lane vectors: W vectors of 16 dims.
+template <int N, int W, typename T>
+PC_RAG_WIDE void wide_weighted_block(const float* const* weights, const T* values, int64_t stride, int64_t count,
+                                     float* const* acc) {
+  __m512 o[N][W];
+  for (int n = 0; n < N; ++n)
+    for (int j = 0; j < W; ++j) o[n][j] = _mm512_setzero_ps();
+  for (int64_t s = 0; s < count; ++s) {
+    __m512 w[N];
+    for (int n = 0; n < N; ++n) w[n] = _mm512_set1_ps(weights[n][s]);
+    for (int j = 0; j < W; ++j) {
+      const __m512 v = load16(values + s * stride + 16 * j);
+      for (int n = 0; n < N; ++n) o[n][j] = _mm512_fmadd_ps(w[n], v, o[n][j]);
+    }
+  }
+  for (int n = 0; n < N; ++n)
+    for (int j = 0; j < W; ++j) _mm512_storeu_ps(acc[n] + 16 * j, o[n][j]);
+}
+
+template <int N, typename T>
+PC_RAG_WIDE void wide_weighted_values(const float* const* weights, const T* values, int64_t stride, int64_t dim,
+                                      int64_t count, float* const* acc) {
+  constexpr int WIDTH = 4;  // 64 dims: up to 24 accumulators, 6 weights, a value
+  for (int64_t d = 0; d < dim; d += 16 * WIDTH) {
+    float* at[N];
+    for (int n = 0; n < N; ++n) at[n] = acc[n] + d;
+    switch (std::min<int64_t>(WIDTH, (dim - d) / 16)) {
+      case 4: wide_weighted_block<N, 4, T>(weights, values + d, stride, count, at); break;
+      case 3: wide_weighted_block<N, 3, T>(weights, values + d, stride, count, at); break;
+      case 2: wide_weighted_block<N, 2, T>(weights, values + d, stride, count, at); break;
+      default: wide_weighted_block<N, 1, T>(weights, values + d, stride, count, at); break;
+    }
+  }
+}
+
 // exp(score - max) in place over a row's count scores; returns the max and their sum.
 inline std::pair<float, float> softmax_terms(float* row, int64_t count) {
   for (int64_t s = count; s < (count + 7) / 8 * 8; ++s) row[s] = -INFINITY;
@@ -168,41 +276,71 @@ inline std::pair<float, float> softmax_terms(float* row, int64_t count) {
 }
 
 // N query heads of one row over one chunk: maxes, sums and weighted values of each.
-template <int N, typename T>
+template <int N, bool Wide, typename T>
 void heads_pass(const float* const* q, const T* keys, const T* values, int64_t stride, int64_t dim, int64_t count,
                 float scale, float* const* rows, float* const* acc, float* maxes, float* sums) {
-  scores_of<N, T>(q, keys, stride, dim, count, scale, rows, values);
+  if constexpr (Wide) wide_scores_of<N, T>(q, keys, stride, dim, count, scale, rows, values);
+  else scores_of<N, T>(q, keys, stride, dim, count, scale, rows, values);
   for (int n = 0; n < N; ++n) std::tie(maxes[n], sums[n]) = softmax_terms(rows[n], count);
-  weighted_values<N, T>(rows, values, stride, dim, count, acc);
+  if constexpr (Wide) wide_weighted_values<N, T>(rows, values, stride, dim, count, acc);
+  else weighted_values<N, T>(rows, values, stride, dim, count, acc);
+}
+
+// heads_pass for n (1 to 6; at most 3 unless wide) query heads.
+template <typename T>
+void heads_pass_of(int n, bool wide, const float* const* q, const T* keys, const T* values, int64_t stride,
+                   int64_t dim, int64_t count, float scale, float* const* rows, float* const* acc, float* maxes,
+                   float* sums) {
+#define PC_RAG_PASS(N, W) heads_pass<N, W, T>(q, keys, values, stride, dim, count, scale, rows, acc, maxes, sums)
+  if (wide) {
+    switch (n) {
+      case 6: PC_RAG_PASS(6, true); break;
+      case 5: PC_RAG_PASS(5, true); break;
+      case 4: PC_RAG_PASS(4, true); break;
+      case 3: PC_RAG_PASS(3, true); break;
+      case 2: PC_RAG_PASS(2, true); break;
+      default: PC_RAG_PASS(1, true); break;
+    }
+  } else {
+    switch (n) {
+      case 3: PC_RAG_PASS(3, false); break;
+      case 2: PC_RAG_PASS(2, false); break;
+      default: PC_RAG_PASS(1, false); break;
+    }
+  }
+#undef PC_RAG_PASS
 }
 
 // One (KV head, chunk): for every (row, query head) pair that sees it, its max score, the sum of exp(score - max)
-// and the values weighted by them, over its own slots of the chunk; a row's query heads go three at a time.
+// and the values weighted by them, over its own slots of the chunk. Pairs that see as many slots (every row, in a
+// chunk all of them see whole) go together: three at a time, six with wide vectors.
 template <typename T>
 void chunk_pass(const float* q, const T* k, const T* v, int64_t slot_stride, const int64_t* ends, int64_t rows,
-                int64_t groups, int64_t dim, int64_t start, float scale, float* scratch, float* acc, float* maxes,
-                float* sums) {
+                int64_t groups, int64_t dim, int64_t start, float scale, bool wide, float* scratch, float* acc,
+                float* maxes, float* sums) {
   const T* keys = k + start * slot_stride;
   const T* values = v + start * slot_stride;
-  for (int64_t r = 0; r < rows; ++r) {
-    const int64_t count = std::min(ends[r] - start, CHUNK);
-    if (count <= 0) continue;
-    for (int64_t g = 0; g < groups; g += 3) {
-      const int n = static_cast<int>(std::min<int64_t>(3, groups - g));
-      const float* qs[3];
-      float* row[3];
-      float* out[3];
-      for (int i = 0; i < n; ++i) {
-        qs[i] = q + (r * groups + g + i) * dim;
-        row[i] = scratch + i * (CHUNK + 8);
-        out[i] = acc + (r * groups + g + i) * dim;
-      }
-      float* m = maxes + r * groups + g;
-      float* l = sums + r * groups + g;
-      if (n == 3) heads_pass<3, T>(qs, keys, values, slot_stride, dim, count, scale, row, out, m, l);
-      else if (n == 2) heads_pass<2, T>(qs, keys, values, slot_stride, dim, count, scale, row, out, m, l);
-      else heads_pass<1, T>(qs, keys, values, slot_stride, dim, count, scale, row, out, m, l);
+  const int64_t pairs = rows * groups;
+  const int most = wide ? 6 : 3;
+  auto seen = [&](int64_t pair) { return std::min(ends[pair / groups] - start, CHUNK); };
+  for (int64_t p = 0; p < pairs;) {
+    const int64_t count = seen(p);
+    if (count <= 0) {
+      ++p;
+      continue;
     }
+    int n = 1;
+    while (n < most && p + n < pairs && seen(p + n) == count) ++n;
+    const float* qs[6];
+    float* row[6];
+    float* out[6];
+    for (int i = 0; i < n; ++i) {
+      qs[i] = q + (p + i) * dim;
+      row[i] = scratch + i * (CHUNK + 8);
+      out[i] = acc + (p + i) * dim;
+    }
+    heads_pass_of<T>(n, wide, qs, keys, values, slot_stride, dim, count, scale, row, out, maxes + p, sums + p);
+    p += n;
   }
 }
 
@@ -222,8 +360,9 @@ torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& keys, const to
   const T* kp = keys.data_ptr<T>();
   const T* vp = values.data_ptr<T>();
   const int64_t head_stride = keys.stride(0), slot_stride = keys.stride(1);
+  const bool wide = wide_vectors() && dim % 16 == 0;
   at::parallel_for(0, heads * chunks, 1, [&](int64_t first, int64_t last) {
-    std::vector<float> scratch(3 * (CHUNK + 8));
+    std::vector<float> scratch(6 * (CHUNK + 8));
     std::vector<float> head_q(pairs * dim);
     for (int64_t item = first; item < last; ++item) {
       const int64_t h = item / chunks, c = item % chunks;
@@ -231,7 +370,7 @@ torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& keys, const to
         for (int64_t g = 0; g < groups; ++g)
           std::copy_n(qp + ((r * heads + h) * groups + g) * dim, dim, head_q.data() + (r * groups + g) * dim);
       chunk_pass<T>(head_q.data(), kp + h * head_stride, vp + h * head_stride, slot_stride, end, rows, groups, dim,
-                    c * CHUNK, static_cast<float>(scale), scratch.data(),
+                    c * CHUNK, static_cast<float>(scale), wide, scratch.data(),
                     partial.data_ptr<float>() + item * pairs * dim, maxes.data_ptr<float>() + item * pairs,
                     sums.data_ptr<float>() + item * pairs);
     }
