@@ -17,14 +17,11 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from transformers.cache_utils import Cache
 
 from pc_rag.runtime.decode_step import STEP_ROWS, rows_exact
+from pc_rag.runtime.draft_policy import DraftPolicy
 from pc_rag.runtime.model_call import PLAIN, ModelCall, with_cache
 from pc_rag.runtime.model_runner import ModelRunner
 from pc_rag.runtime.speculation import PromptLookup, accept
 from pc_rag.runtime.threads import adapt_threads_at
-
-DEFAULT_SPECULATION_CACHE = 4608
-"""Cached tokens up to which speculation left at its default drafts (``SamplingParams.speculative is None``):
-int4 answers measured faster with it at 1K and 4K tokens and slower at 8K (``answer_time_int4.json``)."""
 
 
 @dataclass(frozen=True)
@@ -36,10 +33,11 @@ class SamplingParams:
     the fused step runs. A speculative request's rows attend in calls of fixed shapes and its dense GEMMs run
     ``STEP_ROWS`` rows, drafts or not, so greedy output is bit-identical to the same steps without drafts, and
     sampled output equally distributed; against plain decoding (off) it differs by float rounding in float32 and
-    bfloat16 and not at all in int8 and int4. ``None`` (the default): on where it measured faster, int8 and int4
-    models on their CPU kernels (``ModelRunner.speculates_by_default``) with caches of up to
-    ``DEFAULT_SPECULATION_CACHE`` tokens; float32 and bfloat16 steps of 4 rows cost about what the drafts they
-    kept saved (docs/decoding.md).
+    bfloat16 and not at all in int8 and int4. ``True`` verifies every draft the lookup finds (up to
+    ``STEP_ROWS - 1``). ``None`` (the default): on where it measured faster, int8 and int4 models on their CPU
+    kernels (``ModelRunner.speculates_by_default``), each step verifying the drafts whose expected kept tokens
+    pay for their rows' measured cost (``runtime.draft_policy``); float32 and bfloat16 steps of 4 rows cost about
+    what the drafts they kept saved (docs/decoding.md).
     """
 
     max_new_tokens: int = 64
@@ -164,15 +162,16 @@ def decode_tokens(
     Where the model runner's fused step serves ``cache`` under ``call`` (``ModelRunner.serves``), each step runs
     through it, inside ``call``'s context; with ``params.speculative`` and a runner that verifies drafts, the
     step also verifies drafts looked up in ``context_ids`` (the prompt's tokens) and the answer so far
-    (``runtime.speculation``). Elsewhere each step's forward runs through ``call``."""
+    (``runtime.speculation``): as many as the lookup found with ``params.speculative``, as many as pay for their
+    rows (``runtime.draft_policy``) when it is left unset. Elsewhere each step's forward runs through ``call``."""
     decoded = DecodedTokens([])
     runner = ModelRunner.of(model)
     fused = runner.serves(cache, call)
     wanted = runner.speculates_by_default if params.speculative is None else params.speculative
     drafts = wanted and fused and runner.speculates
-    # unless asked for, drafts stop past the longest cache where they measured faster: each draft row attends
-    # to the whole cache, so at 8K a verify step cost more than its kept drafts saved
-    longest = DEFAULT_SPECULATION_CACHE if params.speculative is None else None
+    # unless asked for, a step verifies the drafts that pay for their rows: each row costs its matmuls and its
+    # attention over the whole cache, so at 8K four rows cost about two one-row steps
+    policy = DraftPolicy(runner.step_costs) if params.speculative is None else None
     # a step runs as many rows as it has tokens where a row's bits do not depend on the row count (quantized
     # kernels, and no adapter or a merged one); elsewhere every step runs STEP_ROWS rows
     exact_rows = False
@@ -191,7 +190,11 @@ def decode_tokens(
         if fused:
             with call.context():
                 if drafts:
-                    return runner.verify(tokens, position, cache, rows=len(tokens) if exact_rows else STEP_ROWS)
+                    rows = len(tokens) if exact_rows else STEP_ROWS
+                    length, start = cache.get_seq_length(), time.perf_counter()
+                    logits = runner.verify(tokens, position, cache, rows=rows)
+                    runner.step_costs.record(rows, length, (time.perf_counter() - start) * 1000)
+                    return logits
                 return runner.decode(tokens[0], position, cache)[None]
         out = call(
             model,
@@ -222,8 +225,10 @@ def decode_tokens(
                     lookup.append(token)
             fed = picked[-1]  # the one token of the step not yet in the cache
             proposed = []
-            if lookup is not None and (longest is None or cache.get_seq_length() <= longest):
+            if lookup is not None:
                 proposed = lookup.propose(min(STEP_ROWS - 1, params.max_new_tokens - emitted - 1))
+                if policy is not None and proposed:
+                    proposed = proposed[: policy.count(lookup.matched, len(proposed), cache.get_seq_length())]
             logits = forward([fed, *proposed], next_position + emitted - 1)
             if not proposed:
                 keep(emitted, logits[0])
@@ -237,6 +242,8 @@ def decode_tokens(
             rejected = len(proposed) - (len(picked) - 1)
             decoded.drafted += len(proposed)
             decoded.accepted += len(proposed) - rejected
+            if policy is not None and lookup is not None:
+                policy.observe(lookup.matched, len(proposed), len(proposed) - rejected)
             if rejected:
                 for layer in cache.layers:
                     layer.crop(-rejected)

@@ -34,6 +34,8 @@ class PromptLookup:
         self._ids[: len(context)] = context
         self._length = len(context)
         self._max_ngram = max_ngram
+        self.matched = 0
+        """The length of the suffix the last ``propose`` matched (0: none)."""
 
     def append(self, token: int) -> None:
         if self._length == len(self._ids):
@@ -44,6 +46,7 @@ class PromptLookup:
     def propose(self, count: int) -> list[int]:
         """Up to ``count`` draft tokens (none when no suffix of the text occurred before)."""
         ids, end = self._ids, self._length
+        self.matched = 0
         if count <= 0:
             return []
         for n in range(min(self._max_ngram, end - 1), 0, -1):
@@ -54,6 +57,7 @@ class PromptLookup:
             starts = np.flatnonzero(found)
             if len(starts):
                 after = int(starts[-1]) + n
+                self.matched = n
                 return ids[after : min(after + count, end)].tolist()
         return []
 

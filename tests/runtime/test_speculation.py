@@ -293,20 +293,33 @@ def test_sampled_generation_on_a_tiny_model_keeps_plain_samplings_distribution(t
     assert 0.5 * math.erfc(z / math.sqrt(2)) > 1e-3, f"chi-square {stat:.1f} on {dof} degrees of freedom"
 
 
-def test_speculation_is_on_by_default_for_quantized_models_up_to_its_cache_length(tokenizer, monkeypatch) -> None:
-    """Left unset, speculation runs where it measured faster: int8/int4 kernels, caches up to
-    ``DEFAULT_SPECULATION_CACHE`` tokens (past it each draft row's attention costs more than it saves); asked for,
-    it drafts at any length; dense models decode plainly unless asked."""
-    monkeypatch.setattr(PromptLookup, "propose", lambda self, count: [7, 8, 9][:count])  # a draft every step
+def test_speculation_is_on_by_default_for_quantized_models_where_drafts_pay_for_their_rows(
+    tokenizer, monkeypatch
+) -> None:
+    """Left unset, speculation runs where it measured faster (int8/int4 kernels), each step verifying the drafts
+    whose expected kept tokens pay for their rows' measured cost (``draft_policy``): none once a runner timed
+    several-row steps at three times a one-row step's cost; asked for, it verifies every draft; dense models
+    decode plainly unless asked."""
+
+    def propose(self: PromptLookup, count: int) -> list[int]:  # a draft every step, after a 3-token match
+        self.matched = 3
+        return [7, 8, 9][:count]
+
+    monkeypatch.setattr(PromptLookup, "propose", propose)
     schema = Schema("s", (Module("doc", (Text("The red tower. The red tower. The red tower."),)),))
     prompt = Prompt("s", (Import("doc"), Text(" The red")))
-    quantized = PromptCache(tiny_in("llama", "int4", tokenizer))
+    model = tiny_in("llama", "int4", tokenizer)
+    quantized = PromptCache(model)
     quantized.add_schema(schema)
-    unlimited = quantized.generate(prompt, max_new_tokens=12).stats
-    assert unlimited.drafted > 0  # drafts were verified (a random model rejects them)
-    monkeypatch.setattr(generate, "DEFAULT_SPECULATION_CACHE", 4)  # shorter than the prompt's cache
+    cheap = quantized.generate(prompt, max_new_tokens=12).stats
+    assert cheap.drafted > 0  # drafts were verified (a random model rejects them)
+    costs = ModelRunner.of(model.model).step_costs
+    for rows in range(1, STEP_ROWS + 1):  # several-row steps measured expensive at this length
+        for _ in range(8):
+            costs.record(rows, 0, 1.0 + 2.0 * (rows - 1))
     assert quantized.generate(prompt, max_new_tokens=12).stats.drafted == 0
-    assert quantized.generate(prompt, max_new_tokens=12, speculative=True).stats.drafted == unlimited.drafted
+    forced = quantized.generate(prompt, max_new_tokens=12, speculative=True).stats
+    assert forced.drafted >= forced.decode_steps  # every step verified drafts
     dense = PromptCache(tiny_model("llama", tokenizer))
     dense.add_schema(schema)
     assert dense.generate(prompt, max_new_tokens=12).stats.drafted == 0
