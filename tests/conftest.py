@@ -16,6 +16,7 @@ import getpass
 import os
 import socket
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -94,6 +95,18 @@ def tiny_tokenizer() -> PreTrainedTokenizerBase:
     """A 2,048-token byte-level BPE with SmolLM2's specials and ChatML template, shipped with the tests: the
     unit tests need no model file."""
     return AutoTokenizer.from_pretrained(TINY_TOKENIZER)
+
+
+@pytest.fixture(autouse=True)
+def fixed_threads() -> Iterator[None]:
+    """Each test starts and ends with torch's threads fixed: a CLI call in the test process turns on ``--threads
+    auto`` (the CLI's default), which would otherwise follow the machine's load through every later test."""
+    from pc_rag.runtime.threads import use_free_cores
+
+    threads = torch.get_num_threads()
+    yield
+    use_free_cores(False)
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(params=["cpu kernel", "flash"])

@@ -4,6 +4,7 @@ llama.cpp reported with its reason when missing, and the gates computed from the
 from __future__ import annotations
 
 import pytest
+import torch
 from conftest import tiny_model
 
 from pc_rag.bench import llama_cpp_answers
@@ -36,21 +37,26 @@ def test_a_workload_leaves_room_for_the_answer_within_the_models_positions(engin
 
 def test_every_row_is_timed_speculation_matches_plain_and_llama_cpp_says_why(engine: RagEngine, monkeypatch) -> None:
     monkeypatch.setattr(llama_cpp_answers.importlib.util, "find_spec", lambda name: None)  # not installed
-    rows = run_answers(engine, [250], questions=1, runs=1, gguf=None, busy=[1], log=lambda line: None)
+    rows = run_answers(engine, [250], questions=1, runs=1, gguf=None, busy=[0, 1], log=lambda line: None)
     missing = [r for r in rows if r.peer in LLAMA_CPP_ROWS]
     assert len(missing) == 3 and all("not installed" in r.note for r in missing)
     timed = [r for r in rows if r.answer_ms is not None]
-    names = {r.peer for r in timed if r.busy == 0}
+    ours = f"pc-rag {engine.default_mode} + speculation"
+    beside = {f"{ours} (--threads auto)", f"{ours} (--threads {torch.get_num_threads()})"}  # the busy section
+    names = {r.peer for r in timed if r.busy == 0} - beside
     modes = dict.fromkeys((engine.default_mode, "naive"))
     assert names == {f"pc-rag {m}{s}" for m in modes for s in ("", " + speculation")}
     speculative = [r for r in timed if r.peer.endswith("speculation") and r.busy == 0]
     assert len(speculative) == len(modes) and all(r.same_as_plain for r in speculative)
     assert all(r.tokens_per_step == 1 for r in timed if not r.peer.endswith("speculation"))
-    assert [(r.busy, r.peer.endswith("(--threads auto)")) for r in rows if r.busy] == [(1, False), (1, True)]
+    section = [(r.busy, r.peer.endswith("(--threads auto)")) for r in rows if r.peer in beside]
+    assert section == [(0, False), (0, True), (1, False), (1, True)]
     table = summary(rows)
-    assert {line["peer"] for line in table} - names == {f"pc-rag {engine.default_mode} + speculation (--threads auto)"}
+    assert {line["peer"] for line in table} - names == beside
     checks = {c["name"]: c for c in gates(rows, engine.default_mode)}
     assert checks["greedy output with speculation = plain, share of rows"]["met"]
+    busy = next(c for c in checks.values() if c["name"].startswith("answer time with one busy loop / idle"))
+    assert "(--threads auto)" in busy["name"] and busy["value"] > 0
     assert any(c["value"] is None and not c["met"] for c in checks.values())  # llama.cpp's gates: no rows
 
 

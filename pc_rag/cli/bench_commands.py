@@ -45,8 +45,9 @@ def add_parser(commands: argparse._SubParsersAction, positive: Callable[[str], i
     peers.add_argument("--questions", type=positive, default=5, help="with --answers: sample questions per length")
     peers.add_argument(
         "--busy",
-        default="1,2",
-        help="with --answers: counts of busy loops to run beside the default mode's first answer",
+        default="0,1,2",
+        help="with --answers: counts of busy loops (0: idle) beside the default mode's first answer, each timed "
+        "with a fixed thread count and with --threads auto",
     )
     encode = bench_kinds.add_parser("encode", help="store encoding throughput against the raw batched forward")
     encode.add_argument("--runs", type=positive, default=3, help="timed runs per path (median is reported)")
@@ -282,9 +283,9 @@ def run_bench(args: argparse.Namespace, lm: LoadedModel) -> None:
 
         from pc_rag.bench.memory import format_rows, kv_footprint
         from pc_rag.codec import CodecTables
-        from pc_rag.rag.tuned import find_codec_tables
+        from pc_rag.rag.tuned import find_tables
 
-        tables = find_codec_tables(lm.fingerprint())  # every level the model's CacheGen tables have
+        tables = find_tables(lm)  # every level the model's CacheGen tables have
         levels = sorted(CodecTables.load(tables).levels) if tables else []
         engine = RagEngine(lm, RagPrompt.longbench())
         rows = kv_footprint(engine, [torch.float32, torch.bfloat16, torch.float16], levels=levels)
@@ -319,9 +320,9 @@ def _run_answers(args: argparse.Namespace, engine: RagEngine, gguf: str | None) 
 def codec_for(lm: LoadedModel) -> CacheGenCodec:
     from pc_rag.codec import CacheGenCodec, CodecTables
     from pc_rag.errors import EvalError
-    from pc_rag.rag.tuned import find_codec_tables
+    from pc_rag.rag.tuned import find_tables
 
-    path = find_codec_tables(lm.fingerprint())
+    path = find_tables(lm)
     if path is None:
         msg = f"no CacheGen tables for model {lm.fingerprint()}: make them with `pc-rag tune-codec`"
         raise EvalError(msg)

@@ -4,8 +4,9 @@ A parallel region of two threads waits at every barrier for its slowest thread; 
 another process holds a core, the preempted thread makes each region wait a scheduler slice (measured: cached
 TTFT from 0.2 s to 4-8 s under a second heavy job, decode 2x slower at two threads than at one). ``FreeCores``
 reads the CPU time the whole machine and this process spent since its last look (``/proc/stat`` and
-``time.process_time``, no sleeping) and sets torch's threads to the cores the others left idle. It is opt-in
-(``pc-rag --threads auto``): a library should not change a process's thread count on its own.
+``time.process_time``, no sleeping) and sets torch's threads to the cores the others left idle. The CLI and its
+server turn it on unless given a count (``pc-rag --threads N``); a library should not change a process's thread
+count on its own, so in Python it is opt-in (``use_free_cores()``).
 """
 
 from __future__ import annotations
@@ -72,6 +73,11 @@ def use_free_cores(enabled: bool = True) -> None:
     """Turn the policy on (or off) for this process: requests and decode steps call ``adapt_threads``."""
     global _POLICY
     _POLICY = FreeCores() if enabled else None
+
+
+def free_cores_used() -> bool:
+    """Whether the policy is on in this process."""
+    return _POLICY is not None
 
 
 def adapt_threads() -> None:
