@@ -82,10 +82,10 @@ class LoadedModel:
             )
         return self._fingerprint
 
-    def adapter_fingerprints(self) -> tuple[str, ...]:
-        """The fingerprints a splice adapter may have been fitted for to serve this model: its own, then (int8,
-        int4) the float32 weights it was quantized from: the same weights, rounded (how well ``fast`` serves
-        there is measured in docs/dtypes.md)."""
+    def fitted_fingerprints(self) -> tuple[str, ...]:
+        """The fingerprints a splice adapter or CacheGen tables may have been fitted for to serve this model: its
+        own, then (int8, int4) the float32 weights it was quantized from: the same weights, rounded (how well
+        ``fast`` and the codec serve there is measured in docs/dtypes.md)."""
         own = self.fingerprint()
         return (own,) if self.base_fingerprint in (None, own) else (own, self.base_fingerprint)
 

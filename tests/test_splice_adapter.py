@@ -160,11 +160,11 @@ def test_a_quantized_model_serves_the_adapter_of_its_float32_weights(tokenizer, 
     monkeypatch.setenv("PC_RAG_CACHE", str(tmp_path))
     lm = tiny_in("llama", "int4", tokenizer)
     lm.base_fingerprint = "dense"
-    assert lm.adapter_fingerprints() == (lm.fingerprint(), "dense")
+    assert lm.fitted_fingerprints() == (lm.fingerprint(), "dense")
     fitted = acting_adapter(tiny_in("llama", "float32", tokenizer).model, rank=2, fingerprint="dense")
     path = tmp_path / "tuned" / adapter_file("dense")
     fitted.save(path)
-    loaded = SpliceAdapter.load(path, lm.model, lm.adapter_fingerprints())
+    loaded = SpliceAdapter.load(path, lm.model, lm.fitted_fingerprints())
     assert loaded.fingerprint == "dense" and loaded.digest == fitted.digest
     assert all(p.dtype == torch.float32 for p in loaded.parameters())
     with pytest.raises(AdapterError, match=f"trained for model dense, not {lm.fingerprint()}"):

@@ -218,7 +218,7 @@ class SpliceAdapter(nn.Module):
     @classmethod
     def load(cls, path: str | Path, model: PreTrainedModel, fingerprint: str | Sequence[str]) -> SpliceAdapter:
         """Read an adapter saved by ``save`` for a model with ``fingerprint`` (or one of several: a quantized
-        model also takes its float32 weights' adapter, ``LoadedModel.adapter_fingerprints``); ``AdapterError``
+        model also takes its float32 weights' adapter, ``LoadedModel.fitted_fingerprints``); ``AdapterError``
         otherwise. The adapter keeps the fingerprint it was fitted for."""
         accepted = (fingerprint,) if isinstance(fingerprint, str) else tuple(fingerprint)
         path = Path(path)

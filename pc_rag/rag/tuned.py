@@ -60,8 +60,14 @@ _MERGED_LOCK = threading.Lock()
 
 def find_adapter(lm: LoadedModel) -> Path | None:
     """The adapter serving finds for ``lm``: one fitted for its own weights, else (int8, int4) one fitted for the
-    float32 weights it was quantized from (``LoadedModel.adapter_fingerprints``); None if neither exists."""
-    return next(filter(None, map(installed_adapter, lm.adapter_fingerprints())), None)
+    float32 weights it was quantized from (``LoadedModel.fitted_fingerprints``); None if neither exists."""
+    return next(filter(None, map(installed_adapter, lm.fitted_fingerprints())), None)
+
+
+def find_tables(lm: LoadedModel) -> Path | None:
+    """The CacheGen tables serving finds for ``lm``: fitted for its own weights, else (int8, int4) for the float32
+    weights it was quantized from; None if neither exists."""
+    return next(filter(None, map(find_codec_tables, lm.fitted_fingerprints())), None)
 
 
 def merged_adapter(lm: LoadedModel, path: Path, fingerprint: str | tuple[str, ...]) -> SpliceAdapter:
@@ -108,7 +114,7 @@ class Tuned:
         with self._lock:
             if self._adapter is None:
                 path = find_adapter(self.lm) or self._find(adapter_file(self.fingerprint()), "splice adapter")
-                self._adapter = merged_adapter(self.lm, path, self.lm.adapter_fingerprints())
+                self._adapter = merged_adapter(self.lm, path, self.lm.fitted_fingerprints())
             return self._adapter
 
     def has_adapter(self) -> bool:

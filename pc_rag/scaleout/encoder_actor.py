@@ -44,7 +44,7 @@ class ChunkEncoder:
         self.encoder = encoding.encoder  # the store's chunk encoder: this node's adapter must have it, or it refuses
         codec = None
         if self.spec.codec_levels:  # the tables installed with pc-rag on this node, as the store's
-            tables = model_tables(fingerprint)[1]
+            tables = model_tables(lm.fitted_fingerprints())[1]
             if tables.digest != self.spec.codec_digest:
                 msg = f"worker has CacheGen tables {tables.digest}; the store writes with {self.spec.codec_digest}"
                 raise StoreMismatchError(msg, {"codec": (self.spec.codec_digest, tables.digest)})

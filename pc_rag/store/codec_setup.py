@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from collections.abc import Sequence
 from pathlib import Path
 
 from pc_rag.codec import DEFAULT_LEVEL, CacheGenCodec, CodecTables
@@ -35,21 +36,26 @@ def parse_codec(spec: str | None) -> tuple[int, ...]:
     return parsed
 
 
-def model_tables(fingerprint: str) -> tuple[Path, CodecTables]:
-    """Where the tables of model ``fingerprint`` are installed, and the tables; ``StoreError`` if none are."""
-    source = find_codec_tables(fingerprint)
+def model_tables(fingerprints: str | Sequence[str]) -> tuple[Path, CodecTables]:
+    """Where the tables of a model are installed, and the tables: the first of ``fingerprints`` that has some
+    (``LoadedModel.fitted_fingerprints``: its own, then an int8/int4 model's float32 weights); ``StoreError`` if
+    none has."""
+    wanted = (fingerprints,) if isinstance(fingerprints, str) else tuple(fingerprints)
+    source = next(filter(None, map(find_codec_tables, wanted)), None)
     if source is None:
         searched = ", ".join(str(d) for d in tuned_dirs())
-        msg = f"no CacheGen tables for model {fingerprint} in {searched}; make them with `pc-rag tune-codec`"
+        msg = f"no CacheGen tables for model {wanted[0]} in {searched}; make them with `pc-rag tune-codec`"
         raise StoreError(msg)
     tables = CodecTables.load(source)
-    if tables.fingerprint != fingerprint:
-        msg = f"CacheGen tables {source} were fitted for model {tables.fingerprint}, not {fingerprint}"
+    if tables.fingerprint not in wanted:
+        msg = f"CacheGen tables {source} were fitted for model {tables.fingerprint}, not {wanted[0]}"
         raise StoreError(msg)
     return source, tables
 
 
-def install_codec(directory: Path, manifest: Manifest, fingerprint: str, levels: tuple[int, ...]) -> CacheGenCodec:
+def install_codec(
+    directory: Path, manifest: Manifest, fingerprint: str | Sequence[str], levels: tuple[int, ...]
+) -> CacheGenCodec:
     """Copy the model's tables into the store, record them and ``levels`` in ``manifest``; the codec."""
     source, tables = model_tables(fingerprint)
     for n in levels:

@@ -129,7 +129,7 @@ class DocumentStore:
             manifest.modules = modules if isinstance(modules, str) else modules.url
         directory.mkdir(parents=True, exist_ok=True)
         levels = parse_codec(codec)
-        kv_codec = install_codec(directory, manifest, engine.lm.fingerprint(), levels) if levels else None
+        kv_codec = install_codec(directory, manifest, engine.lm.fitted_fingerprints(), levels) if levels else None
         kv = open_chunk_kv(directory, manifest, storage=storage_dtype, compute_dtype=engine.lm.dtype,
                            lru_bytes=lru_bytes, codec=kv_codec, modules=modules)  # fmt: skip
         store = cls(directory, engine, manifest, kv, VectorIndex(embedder.dim, index_kind), embedder, mode)
@@ -291,7 +291,8 @@ class DocumentStore:
         with self._write_mutex:
             self._begin_write()
             levels, before = parse_codec(codec), (self.manifest.codec_tables, self.manifest.codec_levels)
-            self.manifest.codec_tables, self.manifest.codec_levels, fingerprint = None, (), self.engine.lm.fingerprint()
+            self.manifest.codec_tables, self.manifest.codec_levels = None, ()
+            fingerprint = self.engine.lm.fitted_fingerprints()
             try:
                 self.kv.recode(install_codec(self.directory, self.manifest, fingerprint, levels) if levels else None,
                                levels, progress=progress)  # fmt: skip

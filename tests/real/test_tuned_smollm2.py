@@ -48,7 +48,7 @@ def test_int4_serves_the_adapter_of_the_float32_weights(smollm2: LoadedModel) ->
     from pc_rag.model import load_model
 
     int4 = load_model(dtype="int4")
-    assert int4.adapter_fingerprints() == (int4.fingerprint(), smollm2.fingerprint())
+    assert int4.fitted_fingerprints() == (int4.fingerprint(), smollm2.fingerprint())
     engine = RagEngine(int4, RagPrompt.longbench())
     assert engine.default_mode == DEFAULT_MODE
     adapter = engine.tuned.adapter()
@@ -61,3 +61,16 @@ def test_int4_serves_the_adapter_of_the_float32_weights(smollm2: LoadedModel) ->
             result = engine.answer(chunks, q.question, mode, max_new_tokens=8, reference_ids=full.token_ids[:7])
             totals[mode] += teacher_forced(full, result)[0]
     assert totals["fast"] < totals["prefix"], totals
+
+
+def test_int4_finds_the_codec_tables_of_the_float32_weights(smollm2: LoadedModel) -> None:
+    """A store made by the int4 model (the CLI's serving default) compresses with the shipped CacheGen tables."""
+    from pc_rag.model import load_model
+    from pc_rag.rag.tuned import find_codec_tables, find_tables
+    from pc_rag.store.codec_setup import model_tables
+
+    int4 = load_model(dtype="int4")
+    shipped = find_codec_tables(smollm2.fingerprint())
+    assert shipped is not None and find_codec_tables(int4.fingerprint()) is None
+    assert find_tables(int4) == shipped == find_tables(smollm2)
+    assert model_tables(int4.fitted_fingerprints())[1].fingerprint == smollm2.fingerprint()
