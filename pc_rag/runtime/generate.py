@@ -169,15 +169,16 @@ def decode_tokens(
     fused = runner.serves(cache, call)
     wanted = runner.speculates_by_default if params.speculative is None else params.speculative
     drafts = wanted and fused and runner.speculates
-    # unless asked for, a step verifies the drafts that pay for their rows: each row costs its matmuls and its
-    # attention over the whole cache, so at 8K four rows cost about two one-row steps
-    policy = DraftPolicy(runner.step_costs) if params.speculative is None else None
     # a step runs as many rows as it has tokens where a row's bits do not depend on the row count (quantized
     # kernels, and no adapter or a merged one); elsewhere every step runs STEP_ROWS rows
     exact_rows = False
     if drafts and runner.rows_agree:
         with call.context():
             exact_rows = rows_exact(model)
+    # unless asked for, a step verifies the drafts that pay for their rows: each row costs its matmuls and its
+    # attention over the whole cache, so at 8K four rows cost about two one-row steps (where every step runs
+    # STEP_ROWS rows, drafts cost nothing more: all are verified)
+    policy = DraftPolicy(runner.step_costs) if params.speculative is None and exact_rows else None
 
     def keep(step: int, logits: torch.Tensor) -> None:
         if step < params.keep_logits:
