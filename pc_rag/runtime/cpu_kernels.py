@@ -12,7 +12,8 @@ quantized and bfloat16 dtypes); over float32 the flash kernel is as fast (``deco
 
 It is built with ``torch.utils.cpp_extension`` (a C++ compiler and ninja; ~30 s the first time, then loaded in
 milliseconds from ``$PC_RAG_KERNEL_CACHE``, by default ``~/.cache/pc_rag/kernels``, one directory per source,
-flags and torch installation) for CPUs with AVX2 and FMA. Elsewhere, when the
+flags and torch installation) for CPUs with AVX2 and FMA; the attention kernel runs 16-lane vectors where the CPU
+has AVX-512 (and ``ATEN_CPU_CAPABILITY`` does not ask for less). Elsewhere, when the
 build fails, or with ``PC_RAG_CPU_KERNELS=0``, ``decode_attention()`` is None and the step uses the flash path.
 """
 
