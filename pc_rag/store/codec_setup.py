@@ -36,11 +36,11 @@ def parse_codec(spec: str | None) -> tuple[int, ...]:
     return parsed
 
 
-def model_tables(fingerprints: str | Sequence[str]) -> tuple[Path, CodecTables]:
+def model_tables(fingerprints: Sequence[str]) -> tuple[Path, CodecTables]:
     """Where the tables of a model are installed, and the tables: the first of ``fingerprints`` that has some
     (``LoadedModel.fitted_fingerprints``: its own, then an int8/int4 model's float32 weights); ``StoreError`` if
     none has."""
-    wanted = (fingerprints,) if isinstance(fingerprints, str) else tuple(fingerprints)
+    wanted = tuple(fingerprints)
     source = next(filter(None, map(find_codec_tables, wanted)), None)
     if source is None:
         searched = ", ".join(str(d) for d in tuned_dirs())
@@ -54,10 +54,10 @@ def model_tables(fingerprints: str | Sequence[str]) -> tuple[Path, CodecTables]:
 
 
 def install_codec(
-    directory: Path, manifest: Manifest, fingerprint: str | Sequence[str], levels: tuple[int, ...]
+    directory: Path, manifest: Manifest, fingerprints: Sequence[str], levels: tuple[int, ...]
 ) -> CacheGenCodec:
     """Copy the model's tables into the store, record them and ``levels`` in ``manifest``; the codec."""
-    source, tables = model_tables(fingerprint)
+    source, tables = model_tables(fingerprints)
     for n in levels:
         tables.level(n)
     path = directory / tables_name(tables.digest)

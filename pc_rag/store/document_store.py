@@ -292,9 +292,9 @@ class DocumentStore:
             self._begin_write()
             levels, before = parse_codec(codec), (self.manifest.codec_tables, self.manifest.codec_levels)
             self.manifest.codec_tables, self.manifest.codec_levels = None, ()
-            fingerprint = self.engine.lm.fitted_fingerprints()
+            fingerprints = self.engine.lm.fitted_fingerprints()
             try:
-                self.kv.recode(install_codec(self.directory, self.manifest, fingerprint, levels) if levels else None,
+                self.kv.recode(install_codec(self.directory, self.manifest, fingerprints, levels) if levels else None,
                                levels, progress=progress)  # fmt: skip
             except BaseException:
                 self.manifest.codec_tables, self.manifest.codec_levels = before
