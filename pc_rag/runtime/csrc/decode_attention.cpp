@@ -26,13 +26,6 @@ namespace {
 constexpr int64_t CHUNK = 256;
 constexpr int64_t MAX_D = 256;
 
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-
-inline __m256 load8(const at::BFloat16* p) {
-  __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
-}
-
 inline float hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -71,88 +64,6 @@ inline void prefetch_row(const T* row, int64_t dim) {
   for (int64_t at = 0; at < dim * static_cast<int64_t>(sizeof(T)); at += 64) _mm_prefetch(bytes + at, _MM_HINT_T0);
 }
 
-// Scores of N query heads q[n] [dim] against count key slots [count, stride]: each key vector is loaded once for
-// the N heads; each head's dot products are its own chains (the same bits for any N). Prefetches (which never
-// fault, so past the cache's end too) bring the keys ahead and the same slots' values for weighted_values: a
-// cold cache read at ~10 GB/s without them.
-template <int N, typename T>
-void scores_of(const float* const* q, const T* keys, int64_t stride, int64_t dim, int64_t count, float scale,
-               float* const* out, const T* prefetch_values) {
-  const int64_t vectors = dim / 8;
-  int64_t s = 0;
-  for (; s + 4 <= count; s += 4) {  // four slots at a time, reduced together
-    __m256 a[N][4];
-    for (int n = 0; n < N; ++n)
-      for (int t = 0; t < 4; ++t) a[n][t] = _mm256_setzero_ps();
-    for (int t = 0; t < 4; ++t) {  // the keys 16 slots on and these slots' values, into L1 ahead of use
-      prefetch_row(keys + (s + 16 + t) * stride, dim);
-      prefetch_row(prefetch_values + (s + t) * stride, dim);
-    }
-    for (int64_t j = 0; j < vectors; ++j) {
-      __m256 k0 = load8(keys + (s + 0) * stride + 8 * j), k1 = load8(keys + (s + 1) * stride + 8 * j);
-      __m256 k2 = load8(keys + (s + 2) * stride + 8 * j), k3 = load8(keys + (s + 3) * stride + 8 * j);
-      for (int n = 0; n < N; ++n) {
-        __m256 qj = _mm256_loadu_ps(q[n] + 8 * j);
-        a[n][0] = _mm256_fmadd_ps(qj, k0, a[n][0]);
-        a[n][1] = _mm256_fmadd_ps(qj, k1, a[n][1]);
-        a[n][2] = _mm256_fmadd_ps(qj, k2, a[n][2]);
-        a[n][3] = _mm256_fmadd_ps(qj, k3, a[n][3]);
-      }
-    }
-    for (int n = 0; n < N; ++n) {
-      __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a[n][0], a[n][1]), _mm256_hadd_ps(a[n][2], a[n][3]));
-      __m128 sums = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
-      _mm_storeu_ps(out[n] + s, _mm_mul_ps(sums, _mm_set1_ps(scale)));
-    }
-  }
-  for (; s < count; ++s) {
-    for (int n = 0; n < N; ++n) {
-      __m256 a = _mm256_setzero_ps();
-      for (int64_t j = 0; j < vectors; ++j)
-        a = _mm256_fmadd_ps(_mm256_loadu_ps(q[n] + 8 * j), load8(keys + s * stride + 8 * j), a);
-      out[n][s] = hsum(a) * scale;
-    }
-  }
-}
-
-// weighted_values over W vectors of dims: W a constant, so the accumulators stay in registers.
-template <int N, int W, typename T>
-void weighted_block(const float* const* weights, const T* values, int64_t stride, int64_t count, float* const* acc) {
-  __m256 o[N][W];
-  for (int n = 0; n < N; ++n)
-    for (int j = 0; j < W; ++j) o[n][j] = _mm256_setzero_ps();
-  for (int64_t s = 0; s < count; ++s) {
-    __m256 w[N];
-    for (int n = 0; n < N; ++n) w[n] = _mm256_set1_ps(weights[n][s]);
-    for (int j = 0; j < W; ++j) {
-      const __m256 v = load8(values + s * stride + 8 * j);
-      for (int n = 0; n < N; ++n) o[n][j] = _mm256_fmadd_ps(w[n], v, o[n][j]);
-    }
-  }
-  for (int n = 0; n < N; ++n)
-    for (int j = 0; j < W; ++j) _mm256_storeu_ps(acc[n] + 8 * j, o[n][j]);
-}
-
-// acc[n] [dim] = sum over count slots of weights[n][s] * values[s]: each value vector loaded once for the N heads,
-// WIDTH vectors of dims at a time; each head's sums are its own chains.
-template <int N, typename T>
-void weighted_values(const float* const* weights, const T* values, int64_t stride, int64_t dim, int64_t count,
-                     float* const* acc) {
-  constexpr int WIDTH = 4;  // 32 dims: 12 accumulators, 3 weights, a value
-  for (int64_t d = 0; d < dim; d += 8 * WIDTH) {
-    float* at[N];
-    for (int n = 0; n < N; ++n) at[n] = acc[n] + d;
-    switch (std::min<int64_t>(WIDTH, (dim - d) / 8)) {
-      case 4: weighted_block<N, 4, T>(weights, values + d, stride, count, at); break;
-      case 3: weighted_block<N, 3, T>(weights, values + d, stride, count, at); break;
-      case 2: weighted_block<N, 2, T>(weights, values + d, stride, count, at); break;
-      default: weighted_block<N, 1, T>(weights, values + d, stride, count, at); break;
-    }
-  }
-}
-
-#define PC_RAG_WIDE __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl")))
-
 // Whether the 16-lane kernels run: the CPU has AVX-512 (F, BW, DQ, VL) and ATEN_CPU_CAPABILITY, torch's switch
 // for its own kernels, does not ask for AVX2 or less.
 bool wide_vectors() {
@@ -166,93 +77,55 @@ bool wide_vectors() {
   return wide;
 }
 
-PC_RAG_WIDE inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-
-PC_RAG_WIDE inline __m512 load16(const at::BFloat16* p) {
-  __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
-}
-
-PC_RAG_WIDE inline __m256 halves(__m512 v) {
-  return _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
-}
-
-// scores_of on 16-lane vectors (dim a multiple of 16).
-template <int N, typename T>
-PC_RAG_WIDE void wide_scores_of(const float* const* q, const T* keys, int64_t stride, int64_t dim, int64_t count,
-                                float scale, float* const* out, const T* prefetch_values) {
-  const int64_t vectors = dim / 16;
-  int64_t s = 0;
-  for (; s + 4 <= count; s += 4) {
-    __m512 a[N][4];
-    for (int n = 0; n < N; ++n)
-      for (int t = 0; t < 4; ++t) a[n][t] = _mm512_setzero_ps();
-    for (int t = 0; t < 4; ++t) {
-      prefetch_row(keys + (s + 16 + t) * stride, dim);
-      prefetch_row(prefetch_values + (s + t) * stride, dim);
-    }
-    for (int64_t j = 0; j < vectors; ++j) {
-      __m512 k0 = load16(keys + (s + 0) * stride + 16 * j), k1 = load16(keys + (s + 1) * stride + 16 * j);
-      __m512 k2 = load16(keys + (s + 2) * stride + 16 * j), k3 = load16(keys + (s + 3) * stride + 16 * j);
-      for (int n = 0; n < N; ++n) {
-        __m512 qj = _mm512_loadu_ps(q[n] + 16 * j);
-        a[n][0] = _mm512_fmadd_ps(qj, k0, a[n][0]);
-        a[n][1] = _mm512_fmadd_ps(qj, k1, a[n][1]);
-        a[n][2] = _mm512_fmadd_ps(qj, k2, a[n][2]);
-        a[n][3] = _mm512_fmadd_ps(qj, k3, a[n][3]);
-      }
-    }
-    for (int n = 0; n < N; ++n) {
-      __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(halves(a[n][0]), halves(a[n][1])),
-                                _mm256_hadd_ps(halves(a[n][2]), halves(a[n][3])));
-      __m128 sums = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
-      _mm_storeu_ps(out[n] + s, _mm_mul_ps(sums, _mm_set1_ps(scale)));
-    }
+// The vector widths the loops of attention_loops.h run on: a register type, its lanes, and the operations the
+// loops take (a bfloat16 load widens in registers; half() is a 16-lane register's two halves added, which the
+// horizontal sums reduce as 8-lane ones).
+namespace lanes8 {
+struct Vec {
+  using reg = __m256;
+  static constexpr int64_t lanes = 8;
+  static reg zero() { return _mm256_setzero_ps(); }
+  static reg set1(float v) { return _mm256_set1_ps(v); }
+  static reg load(const float* p) { return _mm256_loadu_ps(p); }
+  static reg load(const at::BFloat16* p) {
+    __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
   }
-  for (; s < count; ++s) {
-    for (int n = 0; n < N; ++n) {
-      __m512 a = _mm512_setzero_ps();
-      for (int64_t j = 0; j < vectors; ++j)
-        a = _mm512_fmadd_ps(_mm512_loadu_ps(q[n] + 16 * j), load16(keys + s * stride + 16 * j), a);
-      out[n][s] = hsum(halves(a)) * scale;
-    }
-  }
-}
+  static reg fma(reg a, reg b, reg c) { return _mm256_fmadd_ps(a, b, c); }
+  static void store(float* p, reg v) { _mm256_storeu_ps(p, v); }
+  static __m256 half(reg v) { return v; }
+};
+#include "attention_loops.h"
+}  // namespace lanes8
 
-// weighted_block on 16-lane vectors: W vectors of 16 dims.
-template <int N, int W, typename T>
-PC_RAG_WIDE void wide_weighted_block(const float* const* weights, const T* values, int64_t stride, int64_t count,
-                                     float* const* acc) {
-  __m512 o[N][W];
-  for (int n = 0; n < N; ++n)
-    for (int j = 0; j < W; ++j) o[n][j] = _mm512_setzero_ps();
-  for (int64_t s = 0; s < count; ++s) {
-    __m512 w[N];
-    for (int n = 0; n < N; ++n) w[n] = _mm512_set1_ps(weights[n][s]);
-    for (int j = 0; j < W; ++j) {
-      const __m512 v = load16(values + s * stride + 16 * j);
-      for (int n = 0; n < N; ++n) o[n][j] = _mm512_fmadd_ps(w[n], v, o[n][j]);
-    }
+#if defined(__clang__)
+#pragma clang attribute push(__attribute__((target("avx512f,avx512bw,avx512dq,avx512vl"))), apply_to = function)
+#else
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl")
+#endif
+namespace lanes16 {
+struct Vec {
+  using reg = __m512;
+  static constexpr int64_t lanes = 16;
+  static reg zero() { return _mm512_setzero_ps(); }
+  static reg set1(float v) { return _mm512_set1_ps(v); }
+  static reg load(const float* p) { return _mm512_loadu_ps(p); }
+  static reg load(const at::BFloat16* p) {
+    __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
   }
-  for (int n = 0; n < N; ++n)
-    for (int j = 0; j < W; ++j) _mm512_storeu_ps(acc[n] + 16 * j, o[n][j]);
-}
-
-template <int N, typename T>
-PC_RAG_WIDE void wide_weighted_values(const float* const* weights, const T* values, int64_t stride, int64_t dim,
-                                      int64_t count, float* const* acc) {
-  constexpr int WIDTH = 4;  // 64 dims: up to 24 accumulators, 6 weights, a value
-  for (int64_t d = 0; d < dim; d += 16 * WIDTH) {
-    float* at[N];
-    for (int n = 0; n < N; ++n) at[n] = acc[n] + d;
-    switch (std::min<int64_t>(WIDTH, (dim - d) / 16)) {
-      case 4: wide_weighted_block<N, 4, T>(weights, values + d, stride, count, at); break;
-      case 3: wide_weighted_block<N, 3, T>(weights, values + d, stride, count, at); break;
-      case 2: wide_weighted_block<N, 2, T>(weights, values + d, stride, count, at); break;
-      default: wide_weighted_block<N, 1, T>(weights, values + d, stride, count, at); break;
-    }
-  }
-}
+  static reg fma(reg a, reg b, reg c) { return _mm512_fmadd_ps(a, b, c); }
+  static void store(float* p, reg v) { _mm512_storeu_ps(p, v); }
+  static __m256 half(reg v) { return _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1)); }
+};
+#include "attention_loops.h"
+}  // namespace lanes16
+#if defined(__clang__)
+#pragma clang attribute pop
+#else
+#pragma GCC pop_options
+#endif
 
 // exp(score - max) in place over a row's count scores; returns the max and their sum.
 inline std::pair<float, float> softmax_terms(float* row, int64_t count) {
@@ -279,11 +152,11 @@ inline std::pair<float, float> softmax_terms(float* row, int64_t count) {
 template <int N, bool Wide, typename T>
 void heads_pass(const float* const* q, const T* keys, const T* values, int64_t stride, int64_t dim, int64_t count,
                 float scale, float* const* rows, float* const* acc, float* maxes, float* sums) {
-  if constexpr (Wide) wide_scores_of<N, T>(q, keys, stride, dim, count, scale, rows, values);
-  else scores_of<N, T>(q, keys, stride, dim, count, scale, rows, values);
+  if constexpr (Wide) lanes16::scores_of<N, T>(q, keys, stride, dim, count, scale, rows, values);
+  else lanes8::scores_of<N, T>(q, keys, stride, dim, count, scale, rows, values);
   for (int n = 0; n < N; ++n) std::tie(maxes[n], sums[n]) = softmax_terms(rows[n], count);
-  if constexpr (Wide) wide_weighted_values<N, T>(rows, values, stride, dim, count, acc);
-  else weighted_values<N, T>(rows, values, stride, dim, count, acc);
+  if constexpr (Wide) lanes16::weighted_values<N, T>(rows, values, stride, dim, count, acc);
+  else lanes8::weighted_values<N, T>(rows, values, stride, dim, count, acc);
 }
 
 // heads_pass for n (1 to 6; at most 3 unless wide) query heads.
