@@ -1,14 +1,16 @@
-"""Prefill several requests in one pass: every weight is read once for all their new tokens, packed together.
+"""Prefill several requests together, layer by layer: a layer's weights are read from memory once for all of them.
 
-Each request has already spliced its parts into its own buffer. Per layer, the new tokens of all requests run
-through the norms and projections as one ``[N, hidden]`` block (no padding between requests); attention is per
-request, over its own buffer (cached entries, then its new tokens causally), as a prefill alone attends. The
-layers are written out as in ``DecodeStep`` (transformers' own norm, rotary and projection modules), for the
-models it describes. Matmuls get rows in multiples of ``partition_attention.ROW_MULTIPLE``, so in float32 and
-bfloat16 a request's logits have the same bits packed with others as packed alone (int8 and int4 only while neither
-has more than ``weights.KERNEL_ROWS`` rows: past that the linear layers take the dense copy, not the fused kernels,
-and round differently). Requests with a recovery refresh prefill alone (``executor.prefill``). This module knows
-nothing about PML, chunks or scheduling.
+Each request has already spliced its parts into its own buffer. Per layer, each request's new tokens run through
+the norms and projections in a call of their own (rows padded to a multiple of
+``partition_attention.ROW_MULTIPLE``) while the layer's weights stay in cache, then attend over the request's own
+buffer (cached entries, then its new tokens causally), as a prefill alone attends; the output projection takes the
+last row padded the same way. So a request's calls have the shapes and inputs they have alone, and it gets the same
+bits with others as alone in every dtype, whatever the GEMM library does with row counts. One call for all the
+requests' rows would not: on a 2-core Xeon (AMX) the dense bfloat16 GEMM of an int4 model gave a row other bits
+at 1,536 rows than at 96, and float32's at 16 rows than at 4 (``examples/gemm_row_bits.py``), which changed
+answers of ``bench serve``. The layers are written out as in ``DecodeStep`` (transformers' own norm, rotary and
+projection modules), for the models it describes. Requests with a recovery refresh prefill alone
+(``executor.prefill``). This module knows nothing about PML, chunks or scheduling.
 """
 
 from __future__ import annotations
@@ -52,44 +54,43 @@ class BatchPrefill:
     @torch.inference_mode()
     def __call__(self, jobs: Sequence[PrefillJob]) -> list[torch.Tensor]:
         assert jobs and all(job.ids for job in jobs), "every job has new tokens"
-        device = jobs[0].buffer.keys.device
-        ids = torch.tensor([t for job in jobs for t in job.ids], device=device)
-        positions = torch.tensor([p for job in jobs for p in job.positions], device=device)
-        total = ids.shape[0]
-        padded = padded_rows(total)
-        index = torch.cat([torch.arange(total, device=device), ids.new_zeros(padded - total)])
         decoder = self._decoder
-        x = decoder.embed_tokens(ids[index])[None]  # [1, padded, hidden]; rows past `total` repeat row 0
-        rotary = decoder.rotary_emb(x, positions[index][None])
-        bounds, start = [], 0
+        xs, rotaries = [], []
         for job in jobs:
-            bounds.append((start, start + len(job.ids)))
-            start += len(job.ids)
-        for layer_index, layer in enumerate(self._layers):
-            x = _layer(layer, layer_index, x, rotary, jobs, bounds, total)
-        last = torch.tensor([end - 1 for _, end in bounds], device=device)
-        rows = torch.cat([last, last.new_full((padded_rows(len(jobs)) - len(jobs),), int(last[0]))])
-        logits = self._model.lm_head(rms_norm(decoder.norm, x[0, rows]))
-        return list(logits[: len(jobs)])
+            device = job.buffer.keys.device
+            ids = _padded(torch.tensor(list(job.ids), device=device))
+            x = decoder.embed_tokens(ids)[None]  # [1, padded, hidden]; rows past the job's repeat its first
+            xs.append(x)
+            rotaries.append(decoder.rotary_emb(x, _padded(torch.tensor(list(job.positions), device=device))[None]))
+        for layer_index, layer in enumerate(self._layers):  # layer-major: its weights stay in cache for every job
+            xs = [_layer(layer, layer_index, x, rotary, job) for x, rotary, job in zip(xs, rotaries, jobs, strict=True)]
+        logits = []
+        for x, job in zip(xs, jobs, strict=True):
+            last = x[0, len(job.ids) - 1 : len(job.ids)].expand(padded_rows(1), -1)  # as a job alone: one row, padded
+            logits.append(self._model.lm_head(rms_norm(decoder.norm, last.contiguous()))[0])
+        return logits
+
+
+def _padded(values: torch.Tensor) -> torch.Tensor:
+    """``values`` [n] with its first entry repeated up to ``padded_rows(n)``."""
+    pad = padded_rows(values.shape[0]) - values.shape[0]
+    return torch.cat([values, values[:1].expand(pad)]) if pad else values
 
 
 def _layer(
-    layer: FusedLayer, index: int, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor],
-    jobs: Sequence[PrefillJob], bounds: Sequence[tuple[int, int]], total: int,
-) -> torch.Tensor:  # fmt: skip
-    """One decoder layer over the packed rows ``x`` [1, padded, hidden]; attention per job over its buffer. The
-    projections take the dense layers, never the fused kernels, at any row count."""
-    padded = x.shape[1]
+    layer: FusedLayer, index: int, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], job: PrefillJob
+) -> torch.Tensor:
+    """One decoder layer over one job's rows ``x`` [1, padded, hidden], attending over its buffer. The projections
+    take the dense layers, never the fused kernels, at any row count."""
+    padded, n = x.shape[1], len(job.ids)
     q, k, v = layer.project(x, rotary, fused=False)  # [1, H(_kv), padded, D]
-    outs = []
-    for job, (a, b) in zip(jobs, bounds, strict=True):
-        keys, values = job.buffer.keys[index], job.buffer.values[index]  # [1, H_kv, capacity, D]
-        end = job.length + b - a
-        keys[:, :, job.length : end] = k[:, :, a:b]
-        values[:, :, job.length : end] = v[:, :, a:b]
-        scale = layer.layer.self_attn.scaling
-        outs.append(_attend(q[:, :, a:b], keys[:, :, :end], values[:, :, :end], scale))  # [1, n, H, D]
-    out = torch.cat([*outs, outs[0][:, :1].expand(-1, padded - total, -1, -1)], dim=1)
+    keys, values = job.buffer.keys[index], job.buffer.values[index]  # [1, H_kv, capacity, D]
+    end = job.length + n
+    keys[:, :, job.length : end] = k[:, :, :n]
+    values[:, :, job.length : end] = v[:, :, :n]
+    out = _attend(q[:, :, :n], keys[:, :, :end], values[:, :, :end], layer.layer.self_attn.scaling)  # [1, n, H, D]
+    if padded > n:
+        out = torch.cat([out, out[:, :1].expand(-1, padded - n, -1, -1)], dim=1)
     return layer.finish(x, out.reshape(1, padded, -1), fused=False)
 
 
