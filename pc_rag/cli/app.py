@@ -19,6 +19,10 @@ from pc_rag.errors import PCRagError
 from pc_rag.tune import cli as tune_cli
 
 COMPUTE_DTYPE_NAMES = ("float32", "bfloat16", "int8", "int4")  # pc_rag.weights.COMPUTE_DTYPES, without torch
+SERVING_COMMANDS = ("demo", "index", "ask", "serve")
+MEASURED_DTYPES = {"smollm2-135m-instruct": "int4"}  # pc_rag.model.DEFAULT_MODEL, without torch
+"""Per model, the serving default of ``default_dtype``: int4's full prefill keeps 96.8% of float32's first tokens
+on the 554 dev questions and ``fast`` in it ΔF1 +0.42 [-0.90, +1.76] (docs/dtypes.md). Other models: float32."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -36,7 +40,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--dtype", default=None, choices=COMPUTE_DTYPE_NAMES,
                         help="compute dtype: float32, bfloat16, or int8 / int4 weights computing in bfloat16 "
-                        "(default: the store's, else float32)")  # fmt: skip
+                        "(default: the store's, else int4 for the bundled model on the CPU in demo, index, ask and "
+                        "serve, else float32)")  # fmt: skip
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress, with weight-loading progress bars")
     parser.add_argument("--threads", default="auto", type=_threads,
                         help="torch threads: a count, or 'auto' (the default) for the cores other processes leave "
@@ -176,7 +181,7 @@ def _run(args: argparse.Namespace) -> int:
             raise PCRagError(msg)
     _set_threads(args.threads)
     store = getattr(args, "store", None)
-    dtype = args.dtype or (store_commands.store_compute_dtype(store) if store else None) or "float32"
+    dtype = args.dtype or (store_commands.store_compute_dtype(store) if store else None) or default_dtype(args)
     lm = load_model(args.model or DEFAULT_MODEL, device=args.device, dtype=dtype)
     if args.command == "tune":
         return tune_cli.run_tune(args, lm)
@@ -415,6 +420,18 @@ def _codec_levels(spec: str | None) -> tuple[int, ...]:
     except (StoreError, CodecError) as e:
         raise EvalError(str(e)) from e
     return levels
+
+
+def default_dtype(args: argparse.Namespace) -> str:
+    """The compute dtype of a command given no ``--dtype`` and no store that names one. Serving commands on the
+    CPU use the dtype measured for the model as the fastest whose full prefill keeps at least 95% first-token
+    agreement with float32, ``fast`` within noise (``MEASURED_DTYPES``, docs/dtypes.md); measurement commands
+    (bench, eval, tune) keep float32, the dtype their committed figures name."""
+    if args.command in SERVING_COMMANDS and args.device == "cpu":
+        from pc_rag.model import DEFAULT_MODEL
+
+        return MEASURED_DTYPES.get(args.model or DEFAULT_MODEL, "float32")
+    return "float32"
 
 
 def _threads(value: str) -> str | int:
