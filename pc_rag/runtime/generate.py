@@ -178,7 +178,7 @@ def decode_tokens(
     # unless asked for, a step verifies the drafts that pay for their rows: each row costs its matmuls and its
     # attention over the whole cache, so at 8K four rows cost about two one-row steps (where every step runs
     # STEP_ROWS rows, drafts cost nothing more: all are verified)
-    policy = DraftPolicy(runner.step_costs) if params.speculative is None and exact_rows else None
+    policy = DraftPolicy(runner.step_costs, runner.keep_rates) if params.speculative is None and exact_rows else None
 
     def keep(step: int, logits: torch.Tensor) -> None:
         if step < params.keep_logits:
@@ -229,7 +229,9 @@ def decode_tokens(
             if lookup is not None:
                 proposed = lookup.propose(min(STEP_ROWS - 1, params.max_new_tokens - emitted - 1))
                 if policy is not None and proposed:
-                    proposed = proposed[: policy.count(lookup.matched, len(proposed), cache.get_seq_length())]
+                    proposed = proposed[
+                        : policy.count(lookup.matched, len(proposed), cache.get_seq_length(), lookup.agreed)
+                    ]
             logits = forward([fed, *proposed], next_position + emitted - 1)
             if not proposed:
                 keep(emitted, logits[0])
@@ -244,7 +246,7 @@ def decode_tokens(
             decoded.drafted += len(proposed)
             decoded.accepted += len(proposed) - rejected
             if policy is not None and lookup is not None:
-                policy.observe(lookup.matched, len(proposed), len(proposed) - rejected)
+                policy.observe(lookup.matched, len(proposed), len(proposed) - rejected, lookup.agreed)
             if rejected:
                 for layer in cache.layers:
                     layer.crop(-rejected)

@@ -35,7 +35,7 @@ from transformers import PreTrainedModel
 from pc_rag.assemble import forward_new_tokens
 from pc_rag.kv import BufferCache, KVBuffer
 from pc_rag.runtime.decode_step import STEP_ROWS, DecodeStep, FusedLayer, built_once, rms_norm
-from pc_rag.runtime.draft_policy import StepCosts
+from pc_rag.runtime.draft_policy import KeepRates, StepCosts
 from pc_rag.runtime.model_call import PLAIN, ModelCall
 from pc_rag.weights import KERNEL_ROWS, QuantizedLinear
 
@@ -246,6 +246,8 @@ class ModelRunner:
         self.calls: Counter[str] = Counter()
         self.step_costs = StepCosts()
         """Measured verify-step times by row count, for the draft policy (``runtime.draft_policy``)."""
+        self.keep_rates = KeepRates()
+        """Every request's kept drafts, pooled: the prior of a new request's draft policy."""
         self._captured: OrderedDict[tuple[int, int, int, int], BucketForward] = OrderedDict()
         self._pool = torch.cuda.graph_pool_handle() if self.graphs else None
         self._lock = threading.RLock()

@@ -36,6 +36,9 @@ class PromptLookup:
         self._max_ngram = max_ngram
         self.matched = 0
         """The length of the suffix the last ``propose`` matched (0: none)."""
+        self.agreed = False
+        """Whether every earlier occurrence of that suffix was followed by the token the last ``propose`` drafted
+        first: one continuation in the text, not the latest of several."""
 
     def append(self, token: int) -> None:
         if self._length == len(self._ids):
@@ -46,7 +49,7 @@ class PromptLookup:
     def propose(self, count: int) -> list[int]:
         """Up to ``count`` draft tokens (none when no suffix of the text occurred before)."""
         ids, end = self._ids, self._length
-        self.matched = 0
+        self.matched, self.agreed = 0, False
         if count <= 0:
             return []
         for n in range(min(self._max_ngram, end - 1), 0, -1):
@@ -58,6 +61,7 @@ class PromptLookup:
             if len(starts):
                 after = int(starts[-1]) + n
                 self.matched = n
+                self.agreed = bool((ids[starts + n] == ids[after]).all())
                 return ids[after : min(after + count, end)].tolist()
         return []
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pc_rag.runtime.draft_policy import LENGTH_BUCKET, PRIOR_ROW_COST, DraftPolicy, StepCosts
+from pc_rag.runtime.draft_policy import LENGTH_BUCKET, PRIOR_ROW_COST, WINDOW, DraftPolicy, KeepRates, StepCosts
 
 
 def _costs(per_row: float, length: int = 0) -> StepCosts:
@@ -24,8 +24,11 @@ def test_costs_are_measured_ratios_per_length_bucket_with_a_prior_until_both_siz
     costs.record(1, 200, 10.0)
     assert costs.relative(3, 0) == pytest.approx(1.5)
     assert costs.relative(3, LENGTH_BUCKET) == pytest.approx(1 + 2 * PRIOR_ROW_COST)  # another bucket
-    costs.record(3, 300, 25.0)  # a moving average: the newest step moves it part of the way
-    assert 1.5 < costs.relative(3, 0) < 2.5
+    costs.record(3, 300, 25.0)  # a slow step (preempted, say) does not raise it: the fastest recent step counts
+    assert costs.relative(3, 0) == pytest.approx(1.5)
+    for _ in range(WINDOW):  # ... until the steps of that size have been slow for a whole window
+        costs.record(3, 0, 25.0)
+    assert costs.relative(3, 0) == pytest.approx(2.5)
     costs.record(2, 0, 5.0)  # measured cheaper than one row (noise): never below 1
     assert costs.relative(2, 0) == 1.0
 
@@ -61,4 +64,27 @@ def test_observe_counts_each_successor_tried_after_a_kept_draft() -> None:
     assert (policy._next.kept, policy._next.tried) == (2, 3)
     policy.observe(matched=2, drafted=2, kept=0)  # no successor tried
     assert (policy._next.kept, policy._next.tried) == (2, 3)
-    assert (policy._first[2].kept, policy._first[2].tried) == (2, 3)
+    assert (policy._first[2, False].kept, policy._first[2, False].tried) == (2, 3)
+
+
+def test_matches_whose_occurrences_agree_are_estimated_apart() -> None:
+    policy = DraftPolicy(_costs(0.3))
+    for _ in range(10):
+        policy.observe(matched=2, drafted=1, kept=0, agreed=False)  # the latest of several continuations: wrong
+        policy.observe(matched=2, drafted=1, kept=1, agreed=True)  # the only continuation the text has: right
+    assert policy.count(2, 3, 0, agreed=False) == 0
+    assert policy.count(2, 3, 0, agreed=True) >= 1
+
+
+def test_a_new_request_starts_from_the_keep_rates_pooled_over_earlier_ones() -> None:
+    costs, pooled = _costs(0.3), KeepRates()
+    assert DraftPolicy(costs, pooled).count(1, 3, 0) >= 1  # nothing seen: the uniform prior drafts
+    earlier = DraftPolicy(costs, pooled)
+    for _ in range(20):
+        earlier.observe(matched=1, drafted=1, kept=0)
+    assert DraftPolicy(costs, pooled).count(1, 3, 0) == 0  # earlier requests never kept one
+    assert DraftPolicy(costs).count(1, 3, 0) >= 1  # a policy pooling with no one starts from the prior
+    own = DraftPolicy(costs, pooled)
+    for _ in range(20):  # its own steps outweigh the pool
+        own.observe(matched=1, drafted=1, kept=1)
+    assert own.count(1, 3, 0) >= 1

@@ -41,6 +41,14 @@ def test_lookup_proposes_what_followed_the_latest_occurrence_of_the_longest_suff
     assert lookup.propose(0) == []
 
 
+def test_lookup_says_whether_every_occurrence_of_the_match_had_the_drafted_continuation() -> None:
+    lookup = PromptLookup([4, 5, 6, 9, 4, 5, 6, 1, 4, 5])
+    assert lookup.propose(2) == [6, 1] and lookup.matched == 2 and lookup.agreed  # 4 5 -> 6 both times
+    lookup.append(6)
+    assert lookup.propose(1) == [1] and lookup.matched == 3 and not lookup.agreed  # 4 5 6 -> 9, then 1
+    assert lookup.propose(0) == [] and not lookup.agreed
+
+
 def test_lookup_grows_past_its_room() -> None:
     lookup = PromptLookup([5, 6], room=1)
     for token in (7, 5, 6):
