@@ -1,0 +1,100 @@
+"""How far speculation from the prompt can go on the bench's answers: an oracle draft count against measured rows.
+
+Greedy speculation leaves the output unchanged, so a bench run's plain answers say which drafts a step would keep.
+For each answer of an ``answer_time`` JSON (``pc-rag bench peers --answers``), this replays prompt lookup
+(``PromptLookup``, up to 3 drafts a step) over its prompt and answer and reports tokens per step two ways:
+
+- every draft verified (what ``speculative=True`` does);
+- an oracle that verifies exactly the drafts that will be kept, and none when none will be: the most any draft
+  policy can get.
+
+Greedy keeps the same drafts either way, so tokens per step are the same; the cost of a step of R rows against one
+row comes from ``verify_step_rows`` at the nearest measured length. The oracle's speedup over plain decoding
+(tokens over summed step costs) bounds the bench's "speculation / plain decode" from above, and tokens per step
+bounds it for free rows:
+
+    python examples/speculation_bound.py --answers examples/results/answer_time_int4_policy.json \
+        --rows examples/results/verify_step_rows_xeon.json --json examples/results/speculation_bound_xeon.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+from pc_rag.bench.answer_time import answer_workload
+from pc_rag.hotpotqa_sample import sample_questions
+from pc_rag.model import load_model
+from pc_rag.rag import RagEngine
+from pc_rag.runtime.speculation import PromptLookup
+
+MAX_DRAFTS = 3
+
+
+def replay(prompt: list[int], answer: list[int], relative: list[float]) -> dict[str, float]:
+    """Tokens per step (the same for both: greedy keeps the same drafts), and the speedup over plain decoding with
+    every draft verified and with the oracle's count, at the step costs ``relative`` (1 to 4 rows)."""
+    steps, every_cost, oracle_cost = 0, 0.0, 0.0
+    lookup = PromptLookup(prompt)
+    lookup.append(answer[0])  # the first token comes from the prefill
+    at = 1
+    while at < len(answer):
+        drafts = lookup.propose(min(MAX_DRAFTS, len(answer) - at - 1))
+        kept = 0
+        for offset, draft in enumerate(drafts):
+            if answer[at + offset] != draft:
+                break
+            kept += 1
+        steps += 1
+        every_cost += relative[len(drafts)]  # the fed token and every draft
+        oracle_cost += relative[kept]  # the fed token and the drafts that will be kept
+        for token in answer[at : at + kept + 1]:
+            lookup.append(token)
+        at += kept + 1
+    decoded = len(answer) - 1
+    if decoded == 0:
+        return {"tokens_per_step": 1.0, "every_speedup": 1.0, "oracle_speedup": 1.0}
+    return {"tokens_per_step": decoded / steps, "every_speedup": decoded / every_cost,
+            "oracle_speedup": decoded / oracle_cost}  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--answers", type=Path, required=True, help="an answer_time JSON with token_ids")
+    parser.add_argument("--rows", type=Path, required=True, help="a verify_step_rows JSON (relative step costs)")
+    parser.add_argument("--dtype", default="int4")
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    bench = json.loads(args.answers.read_text())
+    costs = {r["context_tokens"]: [r["relative"][str(n)] for n in range(1, 5)]
+             for r in json.loads(args.rows.read_text())["rows"]}  # fmt: skip
+    engine = RagEngine(load_model(dtype=args.dtype))
+    questions = {q.id: q for q in sample_questions()}
+    plain = f"pc-rag {engine.default_mode}"
+    rows = []
+    for row in bench["rows"]:
+        if row["peer"] != plain or row.get("busy", 0) or not row.get("token_ids"):
+            continue
+        target = min((1024, 4096, 8192), key=lambda t: abs(t - row["context_tokens"]))
+        work = answer_workload(engine, questions[row["question"]], target)
+        relative = costs[min(costs, key=lambda length: abs(length - row["context_tokens"]))]
+        found = replay(work.ids, row["token_ids"], relative)
+        rows.append({"length": target, "question": row["question"], "tokens": len(row["token_ids"]), **found})
+        every, oracle = found["every_speedup"], found["oracle_speedup"]
+        print(f"{target:>5} {row['question'][:8]} {len(row['token_ids']):>3} tokens: {found['tokens_per_step']:.2f} "
+              f"tokens/step; every draft {every:.2f}x, oracle {oracle:.2f}x")  # fmt: skip
+    summary = {
+        "median_speedup_if_rows_were_free": statistics.median(r["tokens_per_step"] for r in rows),
+        "median_oracle_speedup": statistics.median(r["oracle_speedup"] for r in rows),
+        "median_every_draft_speedup": statistics.median(r["every_speedup"] for r in rows),
+    }
+    print(json.dumps(summary, indent=1))
+    if args.json:
+        report = {"answers": str(args.answers), "rows_costs": str(args.rows), "summary": summary, "rows": rows}
+        args.json.write_text(json.dumps(report, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
