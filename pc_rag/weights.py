@@ -6,7 +6,9 @@ per weight with a scale and zero per group of 32 inputs (min-max, asymmetric): t
 GGUF's Q4_1, so a model dequantized from Q4_1 (the bundled SmolLM2) gets its own 4-bit weights back,
 not a second rounding. The output projection stays int8 in ``int4`` (GGUF keeps it at 8 bits too).
 Quantized layers compute in bfloat16. A decode step (a few rows) calls PyTorch's fused CPU kernels
-(``_weight_int8pack_mm``, ``_weight_int4pack_mm_for_cpu``) and reads the small weights; many rows
+(``_weight_int8pack_mm``, ``_weight_int4pack_mm_for_cpu``), or with ``PC_RAG_AMX`` on a CPU with AMX pc-rag's
+(``runtime/csrc/amx_linear.cpp``: a step's extra rows then cost almost nothing, one row more), and reads the
+small weights; many rows
 (prefill, recompute, encoding) multiply a dense bfloat16 copy of the same dequantized weight, where
 the GEMM is compute-bound and those kernels are slow. So they save decode bandwidth, not memory. Off
 the CPU every call takes the dense copy: correct, not faster (no GPU was lent to test a GPU kernel).
@@ -118,6 +120,8 @@ class QuantizedLinear(nn.Module, ABC):
         self.weight = nn.Parameter(weight, requires_grad=False)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
 
+    _amx: tuple[torch.Tensor, ...] | None = None  # amx_pack's blocks and their scales, made on first use
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         tensors = self.kernel_tensors()
         if tensors is None or not self.takes_kernel(x):
@@ -155,6 +159,39 @@ def _kernel_call(
     return out.reshape(*x.shape[:-1], -1)
 
 
+def _amx_kernel(bits: int) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor] | None:
+    """The AMX kernel where it runs here and ``PC_RAG_AMX`` puts int``bits`` layers on it (``cpu_kernels``)."""
+    from pc_rag.runtime.cpu_kernels import amx_layers, amx_linear  # the runtime imports this module
+
+    return amx_linear() if bits in amx_layers() else None
+
+
+def _amx_call(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, bits: int) -> torch.Tensor:
+    from pc_rag.runtime.cpu_kernels import amx_linear
+
+    amx = amx_linear()
+    if amx is None:
+        msg = f"int{bits} weights in AMX blocks, but the AMX kernel cannot run in this process"
+        raise RuntimeError(msg)
+    return amx(x, packed, scales, bits)
+
+
+def amx_pack(q: torch.Tensor, bits: int) -> torch.Tensor:
+    """``q`` [out, in] (int4: uint8 0..15, int8: int8) in ``csrc/amx_linear.cpp``'s blocks [out / 16, in / 32, 16
+    lines, 16 (int4) or 32 (int8) bytes]: line p of a block dequantizes to a TDPBF16PS B row, whose element e is
+    output e // 2's input 2p + e % 2; an int4 line's byte t holds elements t (low nibble) and t + 16 (high)."""
+    out_features, in_features = q.shape
+    elements = q.view(out_features // 16, 16, in_features // 32, 16, 2).permute(0, 2, 3, 1, 4)
+    elements = elements.reshape(out_features // 16, in_features // 32, 16, 32)
+    if bits == 8:
+        return elements.contiguous()
+    return (elements[..., :16] | (elements[..., 16:] << 4)).contiguous()
+
+
+def _amx_shape(q: torch.Tensor) -> bool:
+    return q.device.type == "cpu" and q.shape[0] % 16 == 0 and q.shape[1] % 32 == 0
+
+
 class Int8Linear(QuantizedLinear):
     """Weight ``q * scale``: ``q`` int8 [out, in], one scale per output channel (symmetric absmax)."""
 
@@ -174,14 +211,26 @@ class Int8Linear(QuantizedLinear):
     @staticmethod
     def matmul(x: torch.Tensor, *tensors: torch.Tensor) -> torch.Tensor:
         qweight, scales = tensors
+        if qweight.dim() == 4:  # amx_pack's blocks
+            return _amx_call(x, qweight, scales, 8)
         return torch.ops.aten._weight_int8pack_mm(x, qweight, scales)
 
     def kernel_tensors(self) -> tuple[torch.Tensor, ...] | None:
-        return (self.qweight, self.scales) if self.qweight.device.type == "cpu" else None
+        if self.qweight.device.type != "cpu":
+            return None
+        if _amx_shape(self.qweight) and _amx_kernel(8) is not None:
+            if self._amx is None:
+                self._amx = (amx_pack(self.qweight, 8), self.scales)
+            return self._amx
+        return self.qweight, self.scales
 
     @classmethod
     def joined(cls, layers: Sequence[QuantizedLinear]) -> tuple[torch.Tensor, ...] | None:
-        return torch.cat([layer.qweight for layer in layers]), torch.cat([layer.scales for layer in layers])
+        qweight = torch.cat([layer.qweight for layer in layers])  # type: ignore[attr-defined]
+        scales = torch.cat([layer.scales for layer in layers])  # type: ignore[attr-defined]
+        if _amx_shape(qweight) and _amx_kernel(8) is not None:
+            return amx_pack(qweight, 8), scales
+        return qweight, scales
 
 
 class Int4Linear(QuantizedLinear):
@@ -194,9 +243,10 @@ class Int4Linear(QuantizedLinear):
     def __init__(self, q: torch.Tensor, scales_and_zeros: torch.Tensor, bias: torch.Tensor | None) -> None:
         out_features, in_features = q.shape
         scales, zeros = scales_and_zeros.float().unbind(-1)  # [groups, out]
-        groups = q.float().view(out_features, -1, INT4_GROUP) - 8
-        weight = (groups * scales.T[..., None] + zeros.T[..., None]).view(out_features, in_features)
-        super().__init__(weight.to(scales_and_zeros.dtype), bias)
+        # (q - 8) * scale + zero rounded once to float32 (exact in float64, then rounded), as the AMX kernel's FMA
+        groups = q.double().view(out_features, -1, INT4_GROUP) - 8
+        weight = (groups * scales.double().T[..., None] + zeros.double().T[..., None]).view(out_features, in_features)
+        super().__init__(weight.float().to(scales_and_zeros.dtype), bias)
         self.register_buffer("q", q)
         self.register_buffer("scales_and_zeros", scales_and_zeros)
         self.register_buffer("packed", _pack_int4(q))
@@ -218,15 +268,27 @@ class Int4Linear(QuantizedLinear):
     @staticmethod
     def matmul(x: torch.Tensor, *tensors: torch.Tensor) -> torch.Tensor:
         packed, scales_and_zeros = tensors
+        if packed.dim() == 4:  # amx_pack's blocks
+            return _amx_call(x, packed, scales_and_zeros, 4)
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, INT4_GROUP, scales_and_zeros)
 
     def kernel_tensors(self) -> tuple[torch.Tensor, ...] | None:
-        return None if self.packed is None else (self.packed, self.scales_and_zeros)
+        if self.packed is None:
+            return None
+        if _amx_shape(self.q) and _amx_kernel(4) is not None:
+            if self._amx is None:
+                self._amx = (amx_pack(self.q, 4), self.scales_and_zeros)
+            return self._amx
+        return self.packed, self.scales_and_zeros
 
     @classmethod
     def joined(cls, layers: Sequence[QuantizedLinear]) -> tuple[torch.Tensor, ...] | None:
-        packed = _pack_int4(torch.cat([layer.q for layer in layers]))
-        return None if packed is None else (packed, torch.cat([layer.scales_and_zeros for layer in layers], dim=1))
+        q = torch.cat([layer.q for layer in layers])  # type: ignore[attr-defined]
+        scales_and_zeros = torch.cat([layer.scales_and_zeros for layer in layers], dim=1)  # type: ignore[attr-defined]
+        if _amx_shape(q) and _amx_kernel(4) is not None:
+            return amx_pack(q, 4), scales_and_zeros
+        packed = _pack_int4(q)
+        return None if packed is None else (packed, scales_and_zeros)
 
 
 def _pack_int4(q: torch.Tensor) -> torch.Tensor | None:

@@ -8,7 +8,9 @@ row's bits depend on its own query and the slots it sees only, so a fed token an
 beside drafts get the same bits without padding the cache to buckets. Steps use it over bfloat16 caches (the
 quantized and bfloat16 dtypes); over float32 the flash kernel is as fast (``decode_attention_over``).
 ``decode_layers()`` runs a step's decoder layers in one C++ call with the Python loop's bits
-(``csrc/decode_layers.cpp``, used by ``native_layers``); ``low_rank_term()`` is a merged adapter's term per row.
+(``csrc/decode_layers.cpp``, used by ``native_layers``); ``low_rank_term()`` is a merged adapter's term per row;
+``amx_linear()`` multiplies a few rows by int4/int8 weights on AMX tiles where the CPU has them
+(``csrc/amx_linear.cpp``, used by ``weights``).
 
 It is built with ``torch.utils.cpp_extension`` (a C++ compiler and ninja; ~30 s the first time, then loaded in
 milliseconds from ``$PC_RAG_KERNEL_CACHE``, by default ``~/.cache/pc_rag/kernels``, one directory per source,
@@ -157,3 +159,34 @@ def decode_layers() -> type | None:
     """``csrc/decode_layers.cpp``'s ``DecodeLayers`` class; None where the kernels cannot run."""
     module = _module()
     return None if module is None else module.DecodeLayers  # type: ignore[no-any-return]
+
+
+AMX_SWITCH = "PC_RAG_AMX"
+"""Which quantized layers run on AMX where the CPU has it: ``0`` (the default: ATen's fused kernels), ``int8``
+(the output projection) or ``all`` (int4 too). See ``amx_layers``."""
+AMX_CHOICES = {"0": (), "int8": (8,), "all": (4, 8)}
+
+
+def amx_layers() -> tuple[int, ...]:
+    """The weight widths (4, 8) that ``PC_RAG_AMX`` puts on AMX; none by default. On the 2-core Xeon VM the AMX
+    kernel makes a verify step's extra rows nearly free (``all``, SmolLM2 in int4 at 1K: 17.8 ms for one row, 20.1
+    for four) but its dequant (an FMA and a bfloat16 rounding per weight) makes one row slower than ATen's kernels
+    (12.2 and 19.3 ms), so whole answers with speculation got slower (``examples/amx_answers.py``,
+    ``examples/results/amx_answers_xeon.json``)."""
+    asked = os.environ.get(AMX_SWITCH, "0")
+    if asked not in AMX_CHOICES:
+        msg = f"{AMX_SWITCH}={asked!r}: expected one of {', '.join(AMX_CHOICES)}"
+        raise ValueError(msg)
+    return AMX_CHOICES[asked]
+
+
+def amx_linear() -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor] | None:
+    """``csrc/amx_linear.cpp``'s ``amx_linear(x, packed, scales, bits)`` (``weights.amx_pack``'s blocks); None
+    unless the kernels are built and this CPU and process can use AMX (AMX-BF16 and AVX-512 BF16, the kernel's
+    permission to use tile data, ``ATEN_CPU_CAPABILITY`` not below AVX-512). Which layers use it: ``amx_layers``."""
+    if not getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)():
+        return None
+    module = _module()
+    if module is None or not module.amx_available():
+        return None
+    return module.amx_linear  # type: ignore[no-any-return]

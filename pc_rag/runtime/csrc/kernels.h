@@ -15,6 +15,10 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor keys, torch::Tenso
 // low_rank.cpp: out + (b @ a) x over a quantized kernel's rows, each row in an order of its own.
 torch::Tensor low_rank_term(torch::Tensor out, torch::Tensor x, torch::Tensor a, torch::Tensor b);
 
+// amx_linear.cpp: bfloat16 rows times int4 / int8 weights (weights.amx_pack), dequantized onto AMX tiles.
+bool amx_available();
+torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor scales, int64_t bits);
+
 // decode_layers.cpp: a decode step's decoder layers, the ATen calls of decode_step.py made from C++.
 class DecodeLayers {
  public:

@@ -1,0 +1,109 @@
+"""Whole answers with quantized layers on ATen's fused kernels or on AMX (``PC_RAG_AMX``), with and without speculation.
+
+The AMX kernel (``pc_rag/runtime/csrc/amx_linear.cpp``) dequantizes a weight block once for up to 16 rows, so a
+verify step's extra rows cost almost nothing, but one row pays its dequant. This times, per ``PC_RAG_AMX`` value
+(each in a process of its own: a layer packs its weights once): a verify step of 1 to 4 rows at 1K tokens, and the
+default mode's answers (plain and with speculation, greedy, up to 64 tokens, the ``ask`` prompt) of ``--questions``
+sample questions at each length, as ``pc-rag bench peers --answers`` does:
+
+    python examples/amx_answers.py --variants 0,int8,all --json examples/results/amx_answers_xeon.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+
+
+def measure(lengths: list[int], questions: int) -> dict[str, object]:
+    """This process's figures (under its own ``PC_RAG_AMX``)."""
+    sys.path.insert(0, str(HERE))
+    from verify_step_rows import first_step
+
+    from pc_rag.bench.answer_time import _measure, answer_workload, engine_peers
+    from pc_rag.hotpotqa_sample import sample_questions
+    from pc_rag.model import load_model
+    from pc_rag.rag import RagEngine
+
+    engine = RagEngine(load_model(dtype="int4"))
+    runner, token, position, cache = first_step(engine, 1024, "naive")
+    step_ms = {}
+    with torch.inference_mode():
+        for count in range(1, 5):
+            samples = []
+            for _ in range(30):
+                start = time.perf_counter()
+                runner.verify([token] * count, position, cache, rows=count)  # type: ignore[arg-type]
+                samples.append(time.perf_counter() - start)
+                for layer in cache.layers:  # type: ignore[attr-defined]
+                    layer.crop(-count)
+            step_ms[count] = statistics.median(samples[5:]) * 1000
+    peers, mode, answers = engine_peers(engine), engine.default_mode, []
+    for target in lengths:
+        for question in sample_questions()[:questions]:
+            work = answer_workload(engine, question, target)
+            plain = _measure(f"pc-rag {mode}", peers[f"pc-rag {mode}"][0], work, 1)
+            spec = _measure(f"pc-rag {mode} + speculation", peers[f"pc-rag {mode} + speculation"][0], work, 1)
+            answers.append({
+                "length": target, "question": question.id, "tokens": plain.tokens,
+                "plain_tokens_per_s": plain.decode_tokens_per_s, "speculation_tokens_per_s": spec.decode_tokens_per_s,
+                "speculation_answer_ms": spec.answer_ms, "tokens_per_step": spec.tokens_per_step,
+                "same_as_plain": plain.token_ids == spec.token_ids,
+            })  # fmt: skip
+    ratios = [a["speculation_tokens_per_s"] / a["plain_tokens_per_s"] for a in answers]
+    return {
+        "step_ms_1k": step_ms,
+        "median_speculation_over_plain": statistics.median(ratios),
+        "median_speculation_tokens_per_s": statistics.median(a["speculation_tokens_per_s"] for a in answers),
+        "median_plain_tokens_per_s": statistics.median(a["plain_tokens_per_s"] for a in answers),
+        "total_speculation_answer_ms": sum(a["speculation_answer_ms"] for a in answers),
+        "all_same_as_plain": all(a["same_as_plain"] for a in answers),
+        "answers": answers,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--variants", default="0,int8,all", help="PC_RAG_AMX values")
+    parser.add_argument("--tokens", default="1024,4096,8192")
+    parser.add_argument("--questions", type=int, default=4)
+    parser.add_argument("--json", type=Path)
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    lengths = [int(t) for t in args.tokens.split(",")]
+    if args.child:
+        print(json.dumps(measure(lengths, args.questions)))
+        return
+    from pc_rag.bench.provenance import commit, machine
+
+    rows = []
+    for variant in args.variants.split(","):
+        command = [sys.executable, __file__, "--child", "--tokens", args.tokens, "--questions", str(args.questions)]
+        env = {**os.environ, "PC_RAG_AMX": variant}
+        out = subprocess.run(command, env=env, capture_output=True, text=True, check=True).stdout
+        row = {"PC_RAG_AMX": variant, **json.loads(out.strip().splitlines()[-1])}
+        rows.append(row)
+        steps = row["step_ms_1k"]
+        print(f"PC_RAG_AMX={variant:>4}: 1K step " + " ".join(f"{n}r {ms:.2f}" for n, ms in steps.items())
+              + f" ms | plain {row['median_plain_tokens_per_s']:.1f} tok/s, speculation "
+              f"{row['median_speculation_tokens_per_s']:.1f} tok/s (median), speculation/plain "
+              f"{row['median_speculation_over_plain']:.2f}, answers "
+              f"{row['total_speculation_answer_ms']:.0f} ms in all, "
+              f"= plain: {row['all_same_as_plain']}", flush=True)  # fmt: skip
+    if args.json:
+        report = {"machine": machine(), "commit": commit(), "threads": torch.get_num_threads(), "rows": rows}
+        args.json.write_text(json.dumps(report, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
