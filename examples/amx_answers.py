@@ -2,9 +2,10 @@
 
 The AMX kernel (``pc_rag/runtime/csrc/amx_linear.cpp``) dequantizes a weight block once for up to 16 rows, so a
 verify step's extra rows cost almost nothing, but one row pays its dequant. This times, per ``PC_RAG_AMX`` value
-(each in a process of its own: a layer packs its weights once): a verify step of 1 to 4 rows at 1K tokens, and the
-default mode's answers (plain and with speculation, greedy, up to 64 tokens, the ``ask`` prompt) of ``--questions``
-sample questions at each length, as ``pc-rag bench peers --answers`` does:
+(each in a process of its own: a layer packs its weights once): a verify step of 1 to 4 rows at 1K tokens
+(``verify_step_rows.step_times``), and the default mode's answers (plain and with speculation, greedy, up to 64
+tokens, the ``ask`` prompt) of ``--questions`` sample questions at each length, as ``pc-rag bench peers
+--answers`` does:
 
     python examples/amx_answers.py --variants 0,int8,all --json examples/results/amx_answers_xeon.json
 """
@@ -17,7 +18,6 @@ import os
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -28,7 +28,7 @@ HERE = Path(__file__).resolve().parent
 def measure(lengths: list[int], questions: int) -> dict[str, object]:
     """This process's figures (under its own ``PC_RAG_AMX``)."""
     sys.path.insert(0, str(HERE))
-    from verify_step_rows import first_step
+    from verify_step_rows import first_step, step_times
 
     from pc_rag.bench.answer_time import _measure, answer_workload, engine_peers
     from pc_rag.hotpotqa_sample import sample_questions
@@ -37,17 +37,7 @@ def measure(lengths: list[int], questions: int) -> dict[str, object]:
 
     engine = RagEngine(load_model(dtype="int4"))
     runner, token, position, cache = first_step(engine, 1024, "naive")
-    step_ms = {}
-    with torch.inference_mode():
-        for count in range(1, 5):
-            samples = []
-            for _ in range(30):
-                start = time.perf_counter()
-                runner.verify([token] * count, position, cache, rows=count)  # type: ignore[arg-type]
-                samples.append(time.perf_counter() - start)
-                for layer in cache.layers:  # type: ignore[attr-defined]
-                    layer.crop(-count)
-            step_ms[count] = statistics.median(samples[5:]) * 1000
+    step_ms = step_times(runner, token, position, cache, 25)
     peers, mode, answers = engine_peers(engine), engine.default_mode, []
     for target in lengths:
         for question in sample_questions()[:questions]:

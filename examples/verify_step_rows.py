@@ -50,6 +50,23 @@ def first_step(engine: RagEngine, target: int, mode: str) -> tuple[ModelRunner, 
     raise RuntimeError("the answer ended before its first decode step")
 
 
+def step_times(runner: ModelRunner, token: int, position: int, cache: object, steps: int) -> dict[int, float]:
+    """Median ms of ``runner.verify`` of 1 to ``STEP_ROWS`` rows over ``cache`` (after 5 warm-up calls), the rows
+    cropped after each call."""
+    times = {}
+    with torch.inference_mode():
+        for count in range(1, STEP_ROWS + 1):
+            samples = []
+            for _ in range(steps + 5):
+                start = time.perf_counter()
+                runner.verify([token] * count, position, cache, rows=count)  # type: ignore[arg-type]
+                samples.append(time.perf_counter() - start)
+                for layer in cache.layers:  # type: ignore[attr-defined]
+                    layer.crop(-count)
+            times[count] = statistics.median(samples[5:]) * 1000
+    return times
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dtype", default="int4")
@@ -63,17 +80,7 @@ def main() -> None:
     for target in (int(t) for t in args.tokens_context.split(",")):
         runner, token, position, cache = first_step(engine, target, args.mode)
         length = cache.get_seq_length()  # type: ignore[attr-defined]
-        times = {}
-        with torch.inference_mode():
-            for count in range(1, STEP_ROWS + 1):
-                samples = []
-                for _ in range(args.steps + 5):
-                    start = time.perf_counter()
-                    runner.verify([token] * count, position, cache, rows=count)  # type: ignore[arg-type]
-                    samples.append(time.perf_counter() - start)
-                    for layer in cache.layers:  # type: ignore[attr-defined]
-                        layer.crop(-count)
-                times[count] = statistics.median(samples[5:]) * 1000
+        times = step_times(runner, token, position, cache, args.steps)
         row = {"dtype": args.dtype, "mode": args.mode, "context_tokens": length, "threads": torch.get_num_threads(),
                "step_ms": times, "relative": {n: ms / times[1] for n, ms in times.items()}}  # fmt: skip
         cells = (f"{n} rows {ms:6.2f} ms ({ms / times[1]:.2f}x)" for n, ms in times.items())

@@ -122,6 +122,14 @@ class QuantizedLinear(nn.Module, ABC):
 
     _amx: tuple[torch.Tensor, ...] | None = None  # amx_pack's blocks and their scales, made on first use
 
+    def _amx_tensors(self, q: torch.Tensor, scales: torch.Tensor, bits: int) -> tuple[torch.Tensor, ...] | None:
+        """``q``'s AMX blocks and ``scales`` where ``PC_RAG_AMX`` puts this layer on AMX, packed once; else None."""
+        if not _amx_shape(q) or _amx_kernel(bits) is None:
+            return None
+        if self._amx is None:
+            self._amx = (amx_pack(q, bits), scales)
+        return self._amx
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         tensors = self.kernel_tensors()
         if tensors is None or not self.takes_kernel(x):
@@ -218,11 +226,7 @@ class Int8Linear(QuantizedLinear):
     def kernel_tensors(self) -> tuple[torch.Tensor, ...] | None:
         if self.qweight.device.type != "cpu":
             return None
-        if _amx_shape(self.qweight) and _amx_kernel(8) is not None:
-            if self._amx is None:
-                self._amx = (amx_pack(self.qweight, 8), self.scales)
-            return self._amx
-        return self.qweight, self.scales
+        return self._amx_tensors(self.qweight, self.scales, 8) or (self.qweight, self.scales)
 
     @classmethod
     def joined(cls, layers: Sequence[QuantizedLinear]) -> tuple[torch.Tensor, ...] | None:
@@ -275,11 +279,7 @@ class Int4Linear(QuantizedLinear):
     def kernel_tensors(self) -> tuple[torch.Tensor, ...] | None:
         if self.packed is None:
             return None
-        if _amx_shape(self.q) and _amx_kernel(4) is not None:
-            if self._amx is None:
-                self._amx = (amx_pack(self.q, 4), self.scales_and_zeros)
-            return self._amx
-        return self.packed, self.scales_and_zeros
+        return self._amx_tensors(self.q, self.scales_and_zeros, 4) or (self.packed, self.scales_and_zeros)
 
     @classmethod
     def joined(cls, layers: Sequence[QuantizedLinear]) -> tuple[torch.Tensor, ...] | None:
