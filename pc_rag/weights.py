@@ -124,7 +124,7 @@ class QuantizedLinear(nn.Module, ABC):
 
     def _amx_tensors(self, q: torch.Tensor, scales: torch.Tensor, bits: int) -> tuple[torch.Tensor, ...] | None:
         """``q``'s AMX blocks and ``scales`` where ``PC_RAG_AMX`` puts this layer on AMX, packed once; else None."""
-        if not _amx_shape(q) or _amx_kernel(bits) is None:
+        if not _on_amx(q, bits):
             return None
         if self._amx is None:
             self._amx = (amx_pack(q, bits), scales)
@@ -196,8 +196,9 @@ def amx_pack(q: torch.Tensor, bits: int) -> torch.Tensor:
     return (elements[..., :16] | (elements[..., 16:] << 4)).contiguous()
 
 
-def _amx_shape(q: torch.Tensor) -> bool:
-    return q.device.type == "cpu" and q.shape[0] % 16 == 0 and q.shape[1] % 32 == 0
+def _on_amx(q: torch.Tensor, bits: int) -> bool:
+    """Whether weights ``q`` take the AMX kernel: its block shape, on the CPU, where ``PC_RAG_AMX`` asks for it."""
+    return q.device.type == "cpu" and q.shape[0] % 16 == 0 and q.shape[1] % 32 == 0 and _amx_kernel(bits) is not None
 
 
 class Int8Linear(QuantizedLinear):
@@ -232,9 +233,7 @@ class Int8Linear(QuantizedLinear):
     def joined(cls, layers: Sequence[QuantizedLinear]) -> tuple[torch.Tensor, ...] | None:
         qweight = torch.cat([layer.qweight for layer in layers])  # type: ignore[attr-defined]
         scales = torch.cat([layer.scales for layer in layers])  # type: ignore[attr-defined]
-        if _amx_shape(qweight) and _amx_kernel(8) is not None:
-            return amx_pack(qweight, 8), scales
-        return qweight, scales
+        return (amx_pack(qweight, 8) if _on_amx(qweight, 8) else qweight), scales
 
 
 class Int4Linear(QuantizedLinear):
@@ -285,7 +284,7 @@ class Int4Linear(QuantizedLinear):
     def joined(cls, layers: Sequence[QuantizedLinear]) -> tuple[torch.Tensor, ...] | None:
         q = torch.cat([layer.q for layer in layers])  # type: ignore[attr-defined]
         scales_and_zeros = torch.cat([layer.scales_and_zeros for layer in layers], dim=1)  # type: ignore[attr-defined]
-        if _amx_shape(q) and _amx_kernel(4) is not None:
+        if _on_amx(q, 4):
             return amx_pack(q, 4), scales_and_zeros
         packed = _pack_int4(q)
         return None if packed is None else (packed, scales_and_zeros)

@@ -21,6 +21,7 @@ build fails, or with ``PC_RAG_CPU_KERNELS=0``, ``decode_attention()`` is None an
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
 import logging
@@ -180,6 +181,7 @@ def amx_layers() -> tuple[int, ...]:
     return AMX_CHOICES[asked]
 
 
+@functools.cache  # asked per quantized layer call: the CPU and the built module do not change in a process
 def amx_linear() -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor] | None:
     """``csrc/amx_linear.cpp``'s ``amx_linear(x, packed, scales, bits)`` (``weights.amx_pack``'s blocks); None
     unless the kernels are built and this CPU and process can use AMX (AMX-BF16 and AVX-512 BF16, the kernel's

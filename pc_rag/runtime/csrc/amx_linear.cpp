@@ -150,22 +150,24 @@ inline void store_rows(at::BFloat16* out, int64_t stride, int64_t m) {
                         (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(c + r * kOutputs)));
 }
 
-// out[rows, N] = x[rows, K] times the blocks' weights; `dequant(block, kb, tile)` fills a B tile.
+// x[rows, K] times the blocks' weights: [rows, N]; `dequant(block, kb, tile)` fills a B tile.
 template <typename Dequant>
-void amx_matmul(const at::BFloat16* x, int64_t rows, int64_t K, int64_t N, at::BFloat16* out, Dequant dequant) {
-  const int64_t blocks = N / kOutputs, steps = K / kInputs;
+torch::Tensor amx_matmul(const torch::Tensor& x, int64_t N, Dequant dequant) {
+  const int64_t rows = x.size(0), K = x.size(1), blocks = N / kOutputs, steps = K / kInputs;
+  auto result = torch::empty({rows, N}, x.options());
+  const at::BFloat16* in = x.data_ptr<at::BFloat16>();
+  at::BFloat16* out = result.data_ptr<at::BFloat16>();
   at::parallel_for(0, blocks, 1, [&](int64_t first, int64_t last) {
-    alignas(64) at::BFloat16 tiles[2][kInputs * kOutputs];  // alternate: a block's dequant overlaps the last one's tiles
+    alignas(64) at::BFloat16 tile[kInputs * kOutputs];
     for (int64_t r0 = 0; r0 < rows; r0 += kRows) {
       const int64_t m = std::min(kRows, rows - r0);
       configure(m);
       for (int64_t block = first; block < last; ++block) {
         _tile_zero(PC_RAG_TILE_C);
         for (int64_t kb = 0; kb < steps; ++kb) {
-          at::BFloat16* tile = tiles[kb & 1];
           dequant(block, kb, tile);
           _tile_loadd(PC_RAG_TILE_B, tile, kOutputs * 4);
-          _tile_loadd(PC_RAG_TILE_A, x + r0 * K + kb * kInputs, K * 2);
+          _tile_loadd(PC_RAG_TILE_A, in + r0 * K + kb * kInputs, K * 2);
           _tile_dpbf16ps(PC_RAG_TILE_C, PC_RAG_TILE_A, PC_RAG_TILE_B);
         }
         store_rows(out + r0 * N + block * kOutputs, N, m);
@@ -173,37 +175,29 @@ void amx_matmul(const at::BFloat16* x, int64_t rows, int64_t K, int64_t N, at::B
       _tile_release();
     }
   });
+  return result;
 }
 
 torch::Tensor int4_on_tiles(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scales_and_zeros) {
-  const int64_t rows = x.size(0), K = x.size(1), N = scales_and_zeros.size(1);
-  auto out = torch::empty({rows, N}, x.options());
+  const int64_t N = scales_and_zeros.size(1), steps = packed.size(1);
   const uint8_t* lines = packed.data_ptr<uint8_t>();
   const at::BFloat16* pairs = scales_and_zeros.data_ptr<at::BFloat16>();
-  const int64_t steps = K / kInputs;
-  amx_matmul(x.data_ptr<at::BFloat16>(), rows, K, N, out.data_ptr<at::BFloat16>(),
-             [&](int64_t block, int64_t kb, at::BFloat16* tile) {
-               const BlockScales s = block_scales(pairs + (kb * N + block * kOutputs) * 2);
-               dequant_int4(lines + (block * steps + kb) * 256, s, tile);
-             });
-  return out;
+  return amx_matmul(x, N, [&](int64_t block, int64_t kb, at::BFloat16* tile) {
+    dequant_int4(lines + (block * steps + kb) * 256, block_scales(pairs + (kb * N + block * kOutputs) * 2), tile);
+  });
 }
 
 torch::Tensor int8_on_tiles(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scales) {
-  const int64_t rows = x.size(0), K = x.size(1), N = scales.size(0);
-  auto out = torch::empty({rows, N}, x.options());
+  const int64_t N = scales.size(0), steps = packed.size(1);
   const int8_t* lines = packed.data_ptr<int8_t>();
   const at::BFloat16* scale = scales.data_ptr<at::BFloat16>();
-  const int64_t steps = K / kInputs;
-  amx_matmul(x.data_ptr<at::BFloat16>(), rows, K, N, out.data_ptr<at::BFloat16>(),
-             [&](int64_t block, int64_t kb, at::BFloat16* tile) {
-               const __m512 s = widen(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scale + block * kOutputs)));
-               const __m512i low = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
-               const __m512i high = _mm512_set_epi32(15, 15, 14, 14, 13, 13, 12, 12, 11, 11, 10, 10, 9, 9, 8, 8);
-               dequant_int8(lines + (block * steps + kb) * 512, _mm512_permutexvar_ps(low, s),
-                            _mm512_permutexvar_ps(high, s), tile);
-             });
-  return out;
+  const __m512i low = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);  // outputs 0..7, each twice
+  const __m512i high = _mm512_set_epi32(15, 15, 14, 14, 13, 13, 12, 12, 11, 11, 10, 10, 9, 9, 8, 8);
+  return amx_matmul(x, N, [&](int64_t block, int64_t kb, at::BFloat16* tile) {
+    const __m512 s = widen(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scale + block * kOutputs)));
+    dequant_int8(lines + (block * steps + kb) * 512, _mm512_permutexvar_ps(low, s), _mm512_permutexvar_ps(high, s),
+                 tile);
+  });
 }
 
 }  // namespace
