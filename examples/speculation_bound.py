@@ -16,8 +16,10 @@ bounds it for free rows:
     python examples/speculation_bound.py --answers examples/results/answer_time_int4_policy.json \
         --rows examples/results/verify_step_rows_xeon.json --json examples/results/speculation_bound_xeon.json
 
-``--row-cost 0.05`` asks what cheaper rows would give (each row past the first 5% of a one-row step), and
-``--all-modes`` takes every plain mode's answers (the bench's gate is over both modes).
+``--row-cost 0.05`` asks what cheaper rows would give (each row past the first 5% of a one-row step),
+``--all-modes`` takes every plain mode's answers (the bench's gate is over both modes), and ``--phrases`` replays
+the lookup with the model's stock phrases (``runtime/answer_phrases.py``, ``pc-rag tune-phrases``) as its second
+source, as serving does where the model has them.
 """
 
 from __future__ import annotations
@@ -31,16 +33,19 @@ from pc_rag.bench.answer_time import answer_workload
 from pc_rag.hotpotqa_sample import sample_questions
 from pc_rag.model import load_model
 from pc_rag.rag import RagEngine
+from pc_rag.runtime.answer_phrases import AnswerPhrases
 from pc_rag.runtime.speculation import PromptLookup
 
 MAX_DRAFTS = 3
 
 
-def replay(prompt: list[int], answer: list[int], relative: list[float]) -> dict[str, float]:
+def replay(
+    prompt: list[int], answer: list[int], relative: list[float], phrases: AnswerPhrases | None = None
+) -> dict[str, float]:
     """Tokens per step (the same for both: greedy keeps the same drafts), and the speedup over plain decoding with
     every draft verified and with the oracle's count, at the step costs ``relative`` (1 to 4 rows)."""
     steps, every_cost, oracle_cost = 0, 0.0, 0.0
-    lookup = PromptLookup(prompt)
+    lookup = PromptLookup(prompt, phrases=phrases)
     lookup.append(answer[0])  # the first token comes from the prefill
     at = 1
     while at < len(answer):
@@ -70,6 +75,7 @@ def main() -> None:
     rows_cost.add_argument("--rows", type=Path, help="a verify_step_rows JSON (relative step costs)")
     rows_cost.add_argument("--row-cost", type=float, help="what if: each row past the first costs this share of one")
     parser.add_argument("--all-modes", action="store_true", help="every plain pc-rag mode's answers, not the default's")
+    parser.add_argument("--phrases", type=Path, help="a stock-phrase table: the lookup's second source")
     parser.add_argument("--dtype", default="int4")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
@@ -80,6 +86,7 @@ def main() -> None:
     else:
         costs = {0: [1 + args.row_cost * n for n in range(4)]}
     engine = RagEngine(load_model(dtype=args.dtype))
+    phrases = AnswerPhrases.load(args.phrases) if args.phrases is not None else None
     questions = {q.id: q for q in sample_questions()}
     plain = {f"pc-rag {mode}" for mode in ("fast", "naive")} if args.all_modes else {f"pc-rag {engine.default_mode}"}
     rows = []
@@ -89,7 +96,7 @@ def main() -> None:
         target = min((1024, 4096, 8192), key=lambda t: abs(t - row["context_tokens"]))
         work = answer_workload(engine, questions[row["question"]], target)
         relative = costs[min(costs, key=lambda length: abs(length - row["context_tokens"]))]
-        found = replay(work.ids, row["token_ids"], relative)
+        found = replay(work.ids, row["token_ids"], relative, phrases)
         rows.append({"length": target, "question": row["question"], "tokens": len(row["token_ids"]), **found})
         every, oracle = found["every_speedup"], found["oracle_speedup"]
         print(f"{target:>5} {row['question'][:8]} {len(row['token_ids']):>3} tokens: {found['tokens_per_step']:.2f} "
@@ -102,7 +109,8 @@ def main() -> None:
     print(json.dumps(summary, indent=1))
     if args.json:
         costs_from = str(args.rows) if args.rows is not None else f"each row past the first {args.row_cost}"
-        report = {"answers": str(args.answers), "rows_costs": costs_from, "summary": summary, "rows": rows}
+        report = {"answers": str(args.answers), "rows_costs": costs_from, "phrases": str(args.phrases or ""),
+                  "summary": summary, "rows": rows}  # fmt: skip
         args.json.write_text(json.dumps(report, indent=1) + "\n")
 
 

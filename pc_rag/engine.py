@@ -28,6 +28,7 @@ from pc_rag.plan import ServePlan, plan_prompt
 from pc_rag.pml.nodes import Prompt, Role, Schema
 from pc_rag.pml.parser import parse_prompt, parse_schema
 from pc_rag.pml.validate import validate_prompt
+from pc_rag.rag.tuned import use_answer_phrases
 from pc_rag.runtime.executor import check_length, execute
 from pc_rag.runtime.generate import (
     GenerationResult,
@@ -105,6 +106,7 @@ class PromptCache:
         self.schemas: dict[str, EncodedSchema] = {}
         self._stop_ids = eos_ids(lm.model, lm.tokenizer)
         self._buffers = BufferPool(lm.model)
+        use_answer_phrases(lm)  # a second draft source for speculative decoding, where the model has one
 
     @cached_property
     def wrappers(self) -> ChatWrappers:

@@ -245,6 +245,27 @@ def test_tune_codec_then_bench_codec_and_link(home, capsys, tmp_path, monkeypatc
     assert all(r["ttft_ms"] > 0 for r in link)
 
 
+def test_tune_phrases_writes_stock_phrases_that_serving_finds(home, capsys, tmp_path, monkeypatch) -> None:
+    from pc_rag.model import load_model
+    from pc_rag.rag import RagEngine
+    from pc_rag.runtime.answer_phrases import AnswerPhrases
+    from pc_rag.runtime.model_runner import ModelRunner
+
+    monkeypatch.setenv("PC_RAG_CACHE", str(tmp_path / "cache"))  # the table stays out of the module's cache
+    dataset = hotpotqa(tmp_path, 304)  # questions 300 to 303 are in the tuning split
+    out, _ = run(home, capsys, "tune-phrases", "--dataset", str(dataset))
+    assert "stock phrases ->" in out and "greedy answers" in out and "HotpotQA tuning split" in out, out
+    [path] = (tmp_path / "cache" / "tuned").glob("*.phrases.json")
+    lm = load_model(str(home / "model"))
+    assert path.name == f"{lm.fitted_fingerprints()[-1]}.phrases.json"
+    RagEngine(lm)
+    found = ModelRunner.of(lm.model).answer_phrases
+    assert found is not None and found.source == AnswerPhrases.load(path).source
+    (tmp_path / "few").mkdir()
+    few = hotpotqa(tmp_path / "few", 3)  # no question 300
+    assert "no questions of the tuning split" in fails(home, capsys, "tune-phrases", "--dataset", str(few))
+
+
 def test_tune_writes_an_adapter_that_serving_finds(home, capsys, tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("PC_RAG_CACHE", str(tmp_path / "cache"))  # the adapter stays out of the module's cache
     split = MappingProxyType({"hotpotqa": range(2, 5)})  # three tuning questions instead of 400

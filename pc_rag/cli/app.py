@@ -187,6 +187,8 @@ def _run(args: argparse.Namespace) -> int:
         return tune_cli.run_tune(args, lm)
     if args.command == "tune-codec":
         return tune_cli.run_tune_codec(args, lm)
+    if args.command == "tune-phrases":
+        return tune_cli.run_tune_phrases(args, lm)
     if args.command == "demo":
         store_commands.demo(lm, args.questions)
     elif args.command == "index":

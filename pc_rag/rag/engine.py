@@ -34,7 +34,7 @@ from pc_rag.rag.prompt import RagPrompt
 from pc_rag.rag.query_layout import Piece, QueryLayout, layout_query
 from pc_rag.rag.query_select import query_indices, question_attention
 from pc_rag.rag.select import deviation_indices, edge_indices, kv_deviation
-from pc_rag.rag.tuned import Tuned
+from pc_rag.rag.tuned import Tuned, use_answer_phrases
 from pc_rag.runtime.executor import execute
 from pc_rag.runtime.generate import (
     GenerationResult,
@@ -94,6 +94,7 @@ class RagEngine:
         self.canonical_start = len(self.head_ids) + canonical_gap
         self.stop_ids = eos_ids(lm.model, lm.tokenizer)  # the tokens that end an answer
         self._buffers = BufferPool(lm.model)
+        use_answer_phrases(lm)  # a second draft source for speculative decoding, where the model has one
 
     @cached_property
     def default_mode(self) -> str:

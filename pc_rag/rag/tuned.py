@@ -1,7 +1,9 @@
-"""Where a model's fitted splice adapter, attention calibration and CacheGen tables live; loading on first use.
+"""Where a model's fitted splice adapter, attention calibration, CacheGen tables and stock phrases live; loading on
+first use.
 
 All are keyed by the model fingerprint: ``<fingerprint>.safetensors`` (adapter),
-``<fingerprint>.calibration.json`` and ``<fingerprint>.cachegen.safetensors`` (CacheGen tables), looked
+``<fingerprint>.calibration.json``, ``<fingerprint>.cachegen.safetensors`` (CacheGen tables) and
+``<fingerprint>.phrases.json`` (``pc-rag tune-phrases``: a second source of speculative drafts), looked
 up first in ``$PC_RAG_CACHE/tuned/`` (what ``pc-rag tune`` and ``pc-rag tune-codec`` write) and then in
 the package (``pc_rag/data/tuned/``, shipped for the bundled model). A mode that needs one that does
 not exist fails with a message saying how to make it. This module knows nothing about serving.
@@ -9,9 +11,12 @@ not exist fails with a message saying how to make it. This module knows nothing 
 
 from __future__ import annotations
 
+import logging
+import os
 import threading
 import weakref
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from torch import nn
 
@@ -19,6 +24,11 @@ from pc_rag.calibration import Calibration
 from pc_rag.errors import PCRagError
 from pc_rag.model import LoadedModel, cache_dir
 from pc_rag.rag.adapter import AdapterError, SpliceAdapter
+
+if TYPE_CHECKING:
+    from pc_rag.runtime.answer_phrases import AnswerPhrases
+
+logger = logging.getLogger(__name__)
 
 PACKAGED = Path(__file__).resolve().parent.parent / "data" / "tuned"
 
@@ -38,6 +48,45 @@ def calibration_file(fingerprint: str) -> Path:
 
 def codec_tables_file(fingerprint: str) -> Path:
     return Path(f"{fingerprint}.cachegen.safetensors")
+
+
+def phrases_file(fingerprint: str) -> Path:
+    return Path(f"{fingerprint}.phrases.json")
+
+
+PHRASES_SWITCH = "PC_RAG_ANSWER_PHRASES"
+"""``0`` drafts from the request's own tokens only (no stock phrases)."""
+
+
+def find_phrases(lm: LoadedModel) -> Path | None:
+    """The stock-phrase table serving finds for ``lm`` (its own fingerprint, else that of the float32 weights it was
+    quantized from; user cache first, then the package), or None."""
+    for fingerprint in lm.fitted_fingerprints():
+        for directory in tuned_dirs():
+            if (directory / phrases_file(fingerprint)).is_file():
+                return directory / phrases_file(fingerprint)
+    return None
+
+
+_PHRASES_LOCK = threading.Lock()
+
+
+def use_answer_phrases(lm: LoadedModel) -> AnswerPhrases | None:
+    """Give ``lm``'s runner its stock phrases (once per model; ``PC_RAG_ANSWER_PHRASES=0`` leaves none): speculative
+    steps then also draft them. A broken file is logged and skipped: drafts are only proposals."""
+    from pc_rag.runtime.answer_phrases import AnswerPhrases, PhrasesError  # stores load this module, not the runtime
+    from pc_rag.runtime.model_runner import ModelRunner
+
+    runner = ModelRunner.of(lm.model)
+    with _PHRASES_LOCK:
+        if runner.answer_phrases is None and os.environ.get(PHRASES_SWITCH, "1") != "0":
+            path = find_phrases(lm)
+            if path is not None:
+                try:
+                    runner.answer_phrases = AnswerPhrases.load(path)
+                except PhrasesError as error:
+                    logger.warning("stock phrases not used: %s", error)
+        return runner.answer_phrases
 
 
 def installed_adapter(fingerprint: str) -> Path | None:

@@ -172,7 +172,7 @@ def amx_layers() -> tuple[int, ...]:
     """The weight widths (4, 8) that ``PC_RAG_AMX`` puts on AMX; none by default. On the 2-core Xeon VM the AMX
     kernel makes a verify step's extra rows nearly free (``all``, SmolLM2 in int4 at 1K: 17.8 ms for one row, 20.1
     for four) but its dequant (an FMA and a bfloat16 rounding per weight) makes one row slower than ATen's kernels
-    (12.2 and 19.3 ms), so whole answers with speculation got slower (``examples/amx_answers.py``,
+    (12.2 and 19.3 ms), so whole answers with speculation got slower (``examples/switch_answers.py``,
     ``examples/results/amx_answers_xeon.json``)."""
     asked = os.environ.get(AMX_SWITCH, "0")
     if asked not in AMX_CHOICES:

@@ -6,8 +6,9 @@ whole cache (2-core Xeon, int4 SmolLM2, 4 rows against 1: 1.48x at 1K cached tok
 keeps the times of recent steps by row count and cache length (per model runner, across requests) and compares
 their minima: a preempted step only ever takes longer, and one slow sample must not rule a row count out (the
 policy would then stop trying it, and never see it was fast). ``DraftPolicy`` estimates, for one request, how often
-the first draft is kept after a match of n tokens, apart for matches whose every earlier occurrence was followed by
-the drafted token (``PromptLookup.agreed``) and the others, and how often a kept draft's successor is. It picks the
+the first draft is kept after a match of n tokens, apart per source (the request's tokens or the model's stock
+phrases, ``PromptLookup.source``) and for matches whose every earlier occurrence was followed by the drafted token
+(``PromptLookup.agreed``) and the others, and how often a kept draft's successor is (per source). It picks the
 count k that maximizes
 
     (1 + p (1 + c + ... + c^(k-1))) / (cost(k + 1 rows) / cost(1 row))
@@ -71,8 +72,9 @@ class _Rate:
         return (self.kept + weight * prior) / (self.tried + weight)
 
 
-Match = tuple[int, bool]
-"""What a draft was looked up after: the matched suffix's length, and whether its occurrences agreed."""
+Match = tuple[str, int, bool]
+"""What a draft was looked up after: its source (``PromptLookup.source``), the matched suffix's length, and whether
+its occurrences agreed."""
 
 
 class KeepRates:
@@ -80,7 +82,7 @@ class KeepRates:
 
     def __init__(self) -> None:
         self._first: dict[Match, _Rate] = {}
-        self._next = _Rate()
+        self._next: dict[str, _Rate] = {}
         self._lock = threading.Lock()
 
     def first(self, match: Match) -> float:
@@ -88,14 +90,15 @@ class KeepRates:
             rate = self._first.get(match)
             return rate.value() if rate else 0.5
 
-    def successor(self) -> float:
+    def successor(self, source: str) -> float:
         with self._lock:
-            return self._next.value()
+            rate = self._next.get(source)
+            return rate.value() if rate else 0.5
 
     def add(self, match: Match, first: tuple[int, int], successors: tuple[int, int]) -> None:
         with self._lock:
             self._first.setdefault(match, _Rate()).add(*first)
-            self._next.add(*successors)
+            self._next.setdefault(match[0], _Rate()).add(*successors)
 
 
 class DraftPolicy:
@@ -105,17 +108,17 @@ class DraftPolicy:
         self._costs = costs
         self._pooled = pooled if pooled is not None else KeepRates()
         self._first: dict[Match, _Rate] = {}
-        self._next = _Rate()
+        self._next: dict[str, _Rate] = {}  # per source
 
-    def count(self, matched: int, available: int, length: int, agreed: bool = False) -> int:
-        """How many of ``available`` drafts (looked up after a match of ``matched`` tokens, ``agreed`` as
-        ``PromptLookup.agreed``) to verify in a step over ``length`` cached tokens; 0 runs the step alone."""
+    def count(self, matched: int, available: int, length: int, agreed: bool = False, source: str = "context") -> int:
+        """How many of ``available`` drafts (looked up after a match of ``matched`` tokens, ``agreed`` and ``source``
+        as ``PromptLookup``'s) to verify in a step over ``length`` cached tokens; 0 runs the step alone."""
         if matched <= 0 or available <= 0:
             return 0
-        match = (matched, agreed)
+        match = (source, matched, agreed)
         own = self._first.get(match, _Rate())
         keep = own.value(self._pooled.first(match), POOLED_WEIGHT)
-        carry = self._next.value(self._pooled.successor(), POOLED_WEIGHT)
+        carry = self._next.get(source, _Rate()).value(self._pooled.successor(source), POOLED_WEIGHT)
         best, best_value = 0, 1.0
         expected, term = 1.0, keep
         for k in range(1, available + 1):
@@ -126,14 +129,14 @@ class DraftPolicy:
                 best, best_value = k, value
         return best
 
-    def observe(self, matched: int, drafted: int, kept: int, agreed: bool = False) -> None:
+    def observe(self, matched: int, drafted: int, kept: int, agreed: bool = False, source: str = "context") -> None:
         """A verify step's outcome: ``kept`` of its ``drafted`` drafts (looked up after ``matched`` tokens)."""
         if drafted <= 0:
             return
-        match = (matched, agreed)
+        match = (source, matched, agreed)
         first = (int(kept > 0), 1)
         self._first.setdefault(match, _Rate()).add(*first)
         tried = min(kept, drafted - 1)  # drafts 2.. tried: each after a kept one
         successors = (tried if kept == drafted else tried - 1, tried) if tried else (0, 0)
-        self._next.add(*successors)
+        self._next.setdefault(source, _Rate()).add(*successors)
         self._pooled.add(match, first, successors)

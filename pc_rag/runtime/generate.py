@@ -210,7 +210,7 @@ def decode_tokens(
     @torch.inference_mode()
     def steps() -> Iterator[int]:
         generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
-        lookup = PromptLookup(context_ids) if drafts else None
+        lookup = PromptLookup(context_ids, phrases=runner.answer_phrases) if drafts else None
         keep(0, first_logits)
         picked = [sample(first_logits, params, generator)]
         emitted = 0
@@ -230,7 +230,9 @@ def decode_tokens(
                 proposed = lookup.propose(min(STEP_ROWS - 1, params.max_new_tokens - emitted - 1))
                 if policy is not None and proposed:
                     proposed = proposed[
-                        : policy.count(lookup.matched, len(proposed), cache.get_seq_length(), lookup.agreed)
+                        : policy.count(
+                            lookup.matched, len(proposed), cache.get_seq_length(), lookup.agreed, lookup.source
+                        )
                     ]
             logits = forward([fed, *proposed], next_position + emitted - 1)
             if not proposed:
@@ -246,7 +248,7 @@ def decode_tokens(
             decoded.drafted += len(proposed)
             decoded.accepted += len(proposed) - rejected
             if policy is not None and lookup is not None:
-                policy.observe(lookup.matched, len(proposed), len(proposed) - rejected, lookup.agreed)
+                policy.observe(lookup.matched, len(proposed), len(proposed) - rejected, lookup.agreed, lookup.source)
             if rejected:
                 for layer in cache.layers:
                     layer.crop(-rejected)

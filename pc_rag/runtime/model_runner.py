@@ -34,6 +34,7 @@ from transformers import PreTrainedModel
 
 from pc_rag.assemble import forward_new_tokens
 from pc_rag.kv import BufferCache, KVBuffer
+from pc_rag.runtime.answer_phrases import AnswerPhrases
 from pc_rag.runtime.decode_step import STEP_ROWS, DecodeStep, FusedLayer, built_once, rms_norm
 from pc_rag.runtime.draft_policy import KeepRates, StepCosts
 from pc_rag.runtime.model_call import PLAIN, ModelCall
@@ -248,6 +249,8 @@ class ModelRunner:
         """Measured verify-step times by row count, for the draft policy (``runtime.draft_policy``)."""
         self.keep_rates = KeepRates()
         """Every request's kept drafts, pooled: the prior of a new request's draft policy."""
+        self.answer_phrases: AnswerPhrases | None = None
+        """The model's stock phrases, a second draft source (``runtime.answer_phrases``); set by ``rag.tuned``."""
         self._captured: OrderedDict[tuple[int, int, int, int], BucketForward] = OrderedDict()
         self._pool = torch.cuda.graph_pool_handle() if self.graphs else None
         self._lock = threading.RLock()

@@ -11,6 +11,9 @@ the drafts the model would have produced:
   keep draft ``d`` with probability ``p(d)``, else sample from ``p`` with ``d`` removed and stop. Each emitted
   token is then distributed as plain sampling's.
 
+Where the request's own tokens hold no match, or a weak one, the model's stock phrases can draft instead
+(``answer_phrases``: what its answers to training questions said after the same words).
+
 This module knows nothing about models or caches: it receives token ids, logits and sampling settings.
 """
 
@@ -21,24 +24,35 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
+from pc_rag.runtime.answer_phrases import AnswerPhrases
+
 MAX_NGRAM = 3
 """Longest suffix of the output matched in the context; shorter ones are tried when it has no earlier match."""
 
 
 class PromptLookup:
     """Drafts for the next tokens: what followed the latest earlier occurrence of the text's last n tokens
-    (n = ``max_ngram`` down to 1). ``append`` adds each emitted token to the text searched."""
+    (n = ``max_ngram`` down to 1). ``append`` adds each emitted token to the text searched.
 
-    def __init__(self, context: Sequence[int], max_ngram: int = MAX_NGRAM, room: int = 256) -> None:
+    With ``phrases``, the answer's stock phrases draft instead where the phrase table matched more of the answer's
+    last tokens than the text did (none counts 0): the longer match wins (``docs/decoding.md``)."""
+
+    def __init__(
+        self, context: Sequence[int], max_ngram: int = MAX_NGRAM, room: int = 256, phrases: AnswerPhrases | None = None
+    ) -> None:
         self._ids = np.zeros(len(context) + room, dtype=np.int64)
         self._ids[: len(context)] = context
-        self._length = len(context)
+        self._length = self._start = len(context)
         self._max_ngram = max_ngram
+        self._phrases = phrases
         self.matched = 0
         """The length of the suffix the last ``propose`` matched (0: none)."""
         self.agreed = False
         """Whether every earlier occurrence of that suffix was followed by the token the last ``propose`` drafted
-        first: one continuation in the text, not the latest of several."""
+        first: one continuation in the text (or in the fitted answers), not the most recent (or frequent) of
+        several."""
+        self.source = "context"
+        """Where the last ``propose`` drafted from: ``context`` (the request's tokens) or ``phrases``."""
 
     def append(self, token: int) -> None:
         if self._length == len(self._ids):
@@ -47,7 +61,19 @@ class PromptLookup:
         self._length += 1
 
     def propose(self, count: int) -> list[int]:
-        """Up to ``count`` draft tokens (none when no suffix of the text occurred before)."""
+        """Up to ``count`` draft tokens (none when no suffix of the text occurred before and no phrase matched)."""
+        self.source = "context"
+        drafts = self._from_text(count)
+        if self._phrases is None or count <= 0:
+            return drafts
+        answer = self._ids[self._start : self._length].tolist()
+        phrased, matched, agreed = self._phrases.draft(answer, count)
+        if phrased and matched > self.matched:
+            self.matched, self.agreed, self.source = matched, agreed, "phrases"
+            return phrased
+        return drafts
+
+    def _from_text(self, count: int) -> list[int]:
         ids, end = self._ids, self._length
         self.matched, self.agreed = 0, False
         if count <= 0:

@@ -1,4 +1,4 @@
-"""The ``pc-rag tune`` and ``pc-rag tune-codec`` subcommands: arguments and running (imports stay lazy)."""
+"""The ``pc-rag tune``, ``tune-codec`` and ``tune-phrases`` subcommands: arguments and running (imports stay lazy)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,13 @@ from pc_rag.errors import PCRagError
 
 
 def add_parsers(commands: argparse._SubParsersAction, positive: Callable[[str], int]) -> None:
-    """The ``tune`` and ``tune-codec`` subcommands."""
+    """The ``tune``, ``tune-codec`` and ``tune-phrases`` subcommands."""
+    phrases = commands.add_parser(
+        "tune-phrases", help="fit the model's stock phrases (speculative drafts) on its answers to the tuning split"
+    )
+    phrases.add_argument("--dataset", type=Path, required=True, help="the HotpotQA dev JSONL the tuning split is in")
+    phrases.add_argument("--questions", type=positive, default=None, help="the first N of the split (default: all)")
+    phrases.add_argument("--out", type=Path, default=None, help="table file (default: where serving looks for it)")
     fit = commands.add_parser("tune-codec", help="fit the model's CacheGen tables on passages of the tuning split")
     fit.add_argument("--dataset", type=Path, required=True, help="the HotpotQA dev JSONL the tuning split is in")
     fit.add_argument("--passages", type=positive, default=200, help="passages to fit on (default 200)")
@@ -246,6 +252,21 @@ def run_tune_codec(args: argparse.Namespace, lm: object) -> int:
     tables.save(out)
     limits = ", ".join(f"{n}: step {lv.step}, range {lv.limit}" for n, lv in sorted(tables.levels.items()))
     print(f"CacheGen tables {tables.digest} -> {out} (levels {limits})")
+    return 0
+
+
+def run_tune_phrases(args: argparse.Namespace, lm: object) -> int:
+    import sys
+
+    from pc_rag.rag import RagEngine
+    from pc_rag.rag.tuned import phrases_file, tuned_dirs
+    from pc_rag.tune.phrases import fit_phrases
+
+    phrases = fit_phrases(RagEngine(lm), args.dataset, args.questions, progress=args.verbose or sys.stderr.isatty())
+    out = args.out or tuned_dirs()[0] / phrases_file(lm.fitted_fingerprints()[-1])  # type: ignore[attr-defined]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    phrases.save(out)
+    print(f"stock phrases -> {out}: {len(phrases)} contexts, from {phrases.source}")
     return 0
 
 

@@ -59,12 +59,12 @@ def test_observed_keeps_move_the_count_per_match_length() -> None:
 def test_observe_counts_each_successor_tried_after_a_kept_draft() -> None:
     policy = DraftPolicy(_costs(0.0))
     policy.observe(matched=2, drafted=3, kept=1)  # draft 2 tried after draft 1 was kept, and rejected
-    assert (policy._next.kept, policy._next.tried) == (0, 1)
+    assert (policy._next["context"].kept, policy._next["context"].tried) == (0, 1)
     policy.observe(matched=2, drafted=3, kept=3)  # drafts 2 and 3 tried and kept
-    assert (policy._next.kept, policy._next.tried) == (2, 3)
+    assert (policy._next["context"].kept, policy._next["context"].tried) == (2, 3)
     policy.observe(matched=2, drafted=2, kept=0)  # no successor tried
-    assert (policy._next.kept, policy._next.tried) == (2, 3)
-    assert (policy._first[2, False].kept, policy._first[2, False].tried) == (2, 3)
+    assert (policy._next["context"].kept, policy._next["context"].tried) == (2, 3)
+    assert (policy._first["context", 2, False].kept, policy._first["context", 2, False].tried) == (2, 3)
 
 
 def test_matches_whose_occurrences_agree_are_estimated_apart() -> None:

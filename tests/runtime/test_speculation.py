@@ -276,14 +276,7 @@ def test_sampled_generation_on_a_tiny_model_keeps_plain_samplings_distribution(t
     with torch.no_grad():
         pc.lm.model.lm_head.weight.mul_(3.0)  # tied to the embeddings: a peaked, still random, distribution
     greedy = pc.generate(prompt, max_new_tokens=4, speculative=False).token_ids
-    init = PromptLookup.__init__
-
-    def remember_start(self: PromptLookup, context: list[int], *args: object) -> None:
-        init(self, context, *args)
-        self.start = len(context)
-
-    monkeypatch.setattr(PromptLookup, "__init__", remember_start)
-    monkeypatch.setattr(PromptLookup, "propose", lambda self, count: greedy[self._length - self.start :][:count])
+    monkeypatch.setattr(PromptLookup, "propose", lambda self, count: greedy[self._length - self._start :][:count])
     runs = 200
     samples: dict[bool, Counter[tuple[int, ...]]] = {True: Counter(), False: Counter()}
     drafted = accepted = 0
