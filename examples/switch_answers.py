@@ -74,7 +74,7 @@ def _answer(peers: dict, mode: str, work: object, target: int) -> dict[str, obje
         "length": target, "question": work.question.id, "mode": mode, "tokens": plain.tokens,  # type: ignore[attr-defined]
         "plain_tokens_per_s": plain.decode_tokens_per_s, "speculation_tokens_per_s": spec.decode_tokens_per_s,
         "speculation_answer_ms": spec.answer_ms, "tokens_per_step": spec.tokens_per_step,
-        "same_as_plain": plain.token_ids == spec.token_ids,
+        "same_as_plain": plain.token_ids == spec.token_ids, "token_ids": plain.token_ids,
     }  # fmt: skip
 
 
@@ -101,6 +101,10 @@ def main() -> None:
         env = {**os.environ, args.switch: variant}
         out = subprocess.run(command, env=env, capture_output=True, text=True, check=True).stdout
         row = {args.switch: variant, **json.loads(out.strip().splitlines()[-1])}
+        if rows:  # the same greedy answers as the first value's, token for token
+            row["answers_as_first"] = sum(
+                a["token_ids"] == b["token_ids"] for a, b in zip(rows[0]["answers"], row["answers"], strict=True)
+            )
         rows.append(row)
         steps = row["step_ms_1k"]
         print(f"{args.switch}={variant:>4}: 1K step " + " ".join(f"{n}r {ms:.2f}" for n, ms in steps.items())
