@@ -61,11 +61,7 @@ PHRASES_SWITCH = "PC_RAG_ANSWER_PHRASES"
 def find_phrases(lm: LoadedModel) -> Path | None:
     """The stock-phrase table serving finds for ``lm`` (its own fingerprint, else that of the float32 weights it was
     quantized from; user cache first, then the package), or None."""
-    for fingerprint in lm.fitted_fingerprints():
-        for directory in tuned_dirs():
-            if (directory / phrases_file(fingerprint)).is_file():
-                return directory / phrases_file(fingerprint)
-    return None
+    return next(filter(None, (_installed(phrases_file(f)) for f in lm.fitted_fingerprints())), None)
 
 
 _PHRASES_LOCK = threading.Lock()
@@ -89,18 +85,19 @@ def use_answer_phrases(lm: LoadedModel) -> AnswerPhrases | None:
         return runner.answer_phrases
 
 
+def _installed(name: Path) -> Path | None:
+    """The first file called ``name`` in ``tuned_dirs`` (user cache first, then the package), or None."""
+    return next((d / name for d in tuned_dirs() if (d / name).is_file()), None)
+
+
 def installed_adapter(fingerprint: str) -> Path | None:
     """The adapter serving finds for the model ``fingerprint`` (user cache first, then the package), or None."""
-    return next((d / adapter_file(fingerprint) for d in tuned_dirs() if (d / adapter_file(fingerprint)).is_file()),
-                None)  # fmt: skip
+    return _installed(adapter_file(fingerprint))
 
 
 def find_codec_tables(fingerprint: str) -> Path | None:
     """The CacheGen tables fitted for the model ``fingerprint`` (user cache first, then the package), or None."""
-    return next(
-        (d / codec_tables_file(fingerprint) for d in tuned_dirs() if (d / codec_tables_file(fingerprint)).is_file()),
-        None,
-    )
+    return _installed(codec_tables_file(fingerprint))
 
 
 _MERGED: weakref.WeakKeyDictionary[nn.Module, tuple[Path, int, SpliceAdapter]] = weakref.WeakKeyDictionary()
@@ -184,9 +181,9 @@ class Tuned:
         return self.lm.fingerprint()
 
     def _find(self, name: Path, what: str) -> Path:
-        for directory in tuned_dirs():
-            if (directory / name).is_file():
-                return directory / name
+        found = _installed(name)
+        if found is not None:
+            return found
         searched = ", ".join(str(d) for d in tuned_dirs())
         msg = (
             f"no {what} for model {self.lm.name!r} (fingerprint {self.fingerprint()}) in {searched}; "

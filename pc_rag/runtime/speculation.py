@@ -66,8 +66,8 @@ class PromptLookup:
         drafts = self._from_text(count)
         if self._phrases is None or count <= 0:
             return drafts
-        answer = self._ids[self._start : self._length].tolist()
-        phrased, matched, agreed = self._phrases.draft(answer, count)
+        tail = self._ids[max(self._start, self._length - self._phrases.max_context) : self._length].tolist()
+        phrased, matched, agreed = self._phrases.draft(tail, count)  # the answer's last tokens (all, if fewer)
         if phrased and matched > self.matched:
             self.matched, self.agreed, self.source = matched, agreed, "phrases"
             return phrased
