@@ -19,7 +19,8 @@ bounds it for free rows:
 ``--row-cost 0.05`` asks what cheaper rows would give (each row past the first 5% of a one-row step),
 ``--all-modes`` takes every plain mode's answers (the bench's gate is over both modes), and ``--phrases`` replays
 the lookup with the model's stock phrases (``runtime/answer_phrases.py``, ``pc-rag tune-phrases``) as its second
-source, as serving does where the model has them.
+source, as serving does where the model has them. ``--max-drafts 7`` asks what longer drafts than a step's 3 would
+give (steps of more than 4 rows cost what the measured rows' slope extends to).
 """
 
 from __future__ import annotations
@@ -40,16 +41,21 @@ MAX_DRAFTS = 3
 
 
 def replay(
-    prompt: list[int], answer: list[int], relative: list[float], phrases: AnswerPhrases | None = None
+    prompt: list[int],
+    answer: list[int],
+    relative: list[float],
+    phrases: AnswerPhrases | None = None,
+    max_drafts: int = MAX_DRAFTS,
 ) -> dict[str, float]:
     """Tokens per step (the same for both: greedy keeps the same drafts), and the speedup over plain decoding with
-    every draft verified and with the oracle's count, at the step costs ``relative`` (1 to 4 rows)."""
+    every draft verified and with the oracle's count, at the step costs ``relative`` (1 to ``max_drafts + 1``
+    rows)."""
     steps, every_cost, oracle_cost = 0, 0.0, 0.0
     lookup = PromptLookup(prompt, phrases=phrases)
     lookup.append(answer[0])  # the first token comes from the prefill
     at = 1
     while at < len(answer):
-        drafts = lookup.propose(min(MAX_DRAFTS, len(answer) - at - 1))
+        drafts = lookup.propose(min(max_drafts, len(answer) - at - 1))
         kept = 0
         for offset, draft in enumerate(drafts):
             if answer[at + offset] != draft:
@@ -76,6 +82,12 @@ def main() -> None:
     rows_cost.add_argument("--row-cost", type=float, help="what if: each row past the first costs this share of one")
     parser.add_argument("--all-modes", action="store_true", help="every plain pc-rag mode's answers, not the default's")
     parser.add_argument("--phrases", type=Path, help="a stock-phrase table: the lookup's second source")
+    parser.add_argument(
+        "--max-drafts",
+        type=int,
+        default=MAX_DRAFTS,
+        help="what if: drafts a step may verify (rows past the measured 4 extrapolated linearly)",
+    )
     parser.add_argument("--dtype", default="int4")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
@@ -85,6 +97,9 @@ def main() -> None:
                  for r in json.loads(args.rows.read_text())["rows"]}  # fmt: skip
     else:
         costs = {0: [1 + args.row_cost * n for n in range(4)]}
+    for measured in costs.values():
+        step = (measured[-1] - measured[0]) / (len(measured) - 1)
+        measured.extend(measured[-1] + step * n for n in range(1, args.max_drafts + 2 - len(measured)))
     engine = RagEngine(load_model(dtype=args.dtype))
     phrases = AnswerPhrases.load(args.phrases) if args.phrases is not None else None
     questions = {q.id: q for q in sample_questions()}
@@ -96,7 +111,7 @@ def main() -> None:
         target = min((1024, 4096, 8192), key=lambda t: abs(t - row["context_tokens"]))
         work = answer_workload(engine, questions[row["question"]], target)
         relative = costs[min(costs, key=lambda length: abs(length - row["context_tokens"]))]
-        found = replay(work.ids, row["token_ids"], relative, phrases)
+        found = replay(work.ids, row["token_ids"], relative, phrases, args.max_drafts)
         rows.append({"length": target, "question": row["question"], "tokens": len(row["token_ids"]), **found})
         every, oracle = found["every_speedup"], found["oracle_speedup"]
         print(f"{target:>5} {row['question'][:8]} {len(row['token_ids']):>3} tokens: {found['tokens_per_step']:.2f} "
@@ -110,6 +125,7 @@ def main() -> None:
     if args.json:
         costs_from = str(args.rows) if args.rows is not None else f"each row past the first {args.row_cost}"
         report = {"answers": str(args.answers), "rows_costs": costs_from, "phrases": str(args.phrases or ""),
+                  "max_drafts": args.max_drafts,
                   "summary": summary, "rows": rows}  # fmt: skip
         args.json.write_text(json.dumps(report, indent=1) + "\n")
 

@@ -13,14 +13,19 @@ count k that maximizes
 
     (1 + p (1 + c + ... + c^(k-1))) / (cost(k + 1 rows) / cost(1 row))
 
-where p is the first draft's estimated keep rate for the match and c the successor's. A request's rates start
-from the runner's (``KeepRates``: every request's verified steps pooled, from a uniform prior) and move with its
+where p is the first draft's estimated keep rate for the match and c the successor's. Both rates are kept apart by
+how sure the model was of the step's fed token (its top softmax probability when it was picked, binned at
+``CONFIDENCE_BINS``): where the model is copying it is sure of each token, and a draft copied from the text is
+then kept about twice as often as after an unsure pick. A request's rates start from the runner's (``KeepRates``:
+every request's verified steps pooled, from priors by confidence measured on the tuning split) and move with its
 own steps; the costs start at ``PRIOR_ROW_COST`` a row until a step of that size was timed. Greedy outputs do not
 depend on the count (a kept draft is the token plain decoding picks).
 """
 
 from __future__ import annotations
 
+import bisect
+import os
 import threading
 from collections import deque
 
@@ -32,6 +37,25 @@ WINDOW = 8
 """Recent steps per (row count, bucket) whose fastest is the cost estimate."""
 POOLED_WEIGHT = 4.0
 """Pseudo-observations the runner's pooled keep rate counts for in a request's own estimate."""
+CONFIDENCE_BINS = (0.3, 0.7, 0.95)
+"""Edges of the fed token's top probability that split the keep rates (4 bins)."""
+FIRST_PRIOR = (0.40, 0.44, 0.65, 0.78)
+"""Per confidence bin: the share of first drafts kept, before any is seen. Measured on SmolLM2 int4's answers to 200
+tuning-split questions, drafts from the request's own tokens (``examples/draft_confidence.py``,
+``examples/results/draft_confidence.json``)."""
+SUCCESSOR_PRIOR = (0.74, 0.76, 0.84, 0.84)
+"""Per confidence bin: the share of drafts kept after a kept one, before any is seen (as ``FIRST_PRIOR``)."""
+CONFIDENCE_SWITCH = "PC_RAG_DRAFT_CONFIDENCE"
+"""``0`` pools every step's rates whatever the fed token's probability (the policy before confidence bins)."""
+
+
+def confidence_bin(confidence: float | None) -> int:
+    """The bin of a fed token's top probability (-1: not known)."""
+    return -1 if confidence is None else bisect.bisect_left(CONFIDENCE_BINS, confidence)
+
+
+def _prior(priors: tuple[float, ...], bin_: int) -> float:
+    return priors[bin_] if bin_ >= 0 else 0.5
 
 
 class StepCosts:
@@ -72,9 +96,11 @@ class _Rate:
         return (self.kept + weight * prior) / (self.tried + weight)
 
 
-Match = tuple[str, int, bool]
-"""What a draft was looked up after: its source (``PromptLookup.source``), the matched suffix's length, and whether
-its occurrences agreed."""
+Match = tuple[str, int, bool, int]
+"""What a draft was looked up after: its source (``PromptLookup.source``), the matched suffix's length, whether its
+occurrences agreed, and the fed token's confidence bin."""
+Carry = tuple[str, int]
+"""What a successor's rate is kept by: the source and the confidence bin."""
 
 
 class KeepRates:
@@ -82,23 +108,25 @@ class KeepRates:
 
     def __init__(self) -> None:
         self._first: dict[Match, _Rate] = {}
-        self._next: dict[str, _Rate] = {}
+        self._next: dict[Carry, _Rate] = {}
         self._lock = threading.Lock()
 
     def first(self, match: Match) -> float:
+        prior = _prior(FIRST_PRIOR, match[3])
         with self._lock:
             rate = self._first.get(match)
-            return rate.value() if rate else 0.5
+            return rate.value(prior) if rate else prior
 
-    def successor(self, source: str) -> float:
+    def successor(self, carry: Carry) -> float:
+        prior = _prior(SUCCESSOR_PRIOR, carry[1])
         with self._lock:
-            rate = self._next.get(source)
-            return rate.value() if rate else 0.5
+            rate = self._next.get(carry)
+            return rate.value(prior) if rate else prior
 
     def add(self, match: Match, first: tuple[int, int], successors: tuple[int, int]) -> None:
         with self._lock:
             self._first.setdefault(match, _Rate()).add(*first)
-            self._next.setdefault(match[0], _Rate()).add(*successors)
+            self._next.setdefault((match[0], match[3]), _Rate()).add(*successors)
 
 
 class DraftPolicy:
@@ -108,17 +136,31 @@ class DraftPolicy:
         self._costs = costs
         self._pooled = pooled if pooled is not None else KeepRates()
         self._first: dict[Match, _Rate] = {}
-        self._next: dict[str, _Rate] = {}  # per source
+        self._next: dict[Carry, _Rate] = {}
+        self._by_confidence = os.environ.get(CONFIDENCE_SWITCH, "1") != "0"
 
-    def count(self, matched: int, available: int, length: int, agreed: bool = False, source: str = "context") -> int:
+    def _bin(self, confidence: float | None) -> int:
+        return confidence_bin(confidence) if self._by_confidence else -1
+
+    def count(
+        self,
+        matched: int,
+        available: int,
+        length: int,
+        agreed: bool = False,
+        source: str = "context",
+        confidence: float | None = None,
+    ) -> int:
         """How many of ``available`` drafts (looked up after a match of ``matched`` tokens, ``agreed`` and ``source``
-        as ``PromptLookup``'s) to verify in a step over ``length`` cached tokens; 0 runs the step alone."""
+        as ``PromptLookup``'s, after a fed token picked with top probability ``confidence``) to verify in a step
+        over ``length`` cached tokens; 0 runs the step alone."""
         if matched <= 0 or available <= 0:
             return 0
-        match = (source, matched, agreed)
+        bin_ = self._bin(confidence)
+        match, carried = (source, matched, agreed, bin_), (source, bin_)
         own = self._first.get(match, _Rate())
         keep = own.value(self._pooled.first(match), POOLED_WEIGHT)
-        carry = self._next.get(source, _Rate()).value(self._pooled.successor(source), POOLED_WEIGHT)
+        carry = self._next.get(carried, _Rate()).value(self._pooled.successor(carried), POOLED_WEIGHT)
         best, best_value = 0, 1.0
         expected, term = 1.0, keep
         for k in range(1, available + 1):
@@ -129,14 +171,23 @@ class DraftPolicy:
                 best, best_value = k, value
         return best
 
-    def observe(self, matched: int, drafted: int, kept: int, agreed: bool = False, source: str = "context") -> None:
-        """A verify step's outcome: ``kept`` of its ``drafted`` drafts (looked up after ``matched`` tokens)."""
+    def observe(
+        self,
+        matched: int,
+        drafted: int,
+        kept: int,
+        agreed: bool = False,
+        source: str = "context",
+        confidence: float | None = None,
+    ) -> None:
+        """A verify step's outcome: ``kept`` of its ``drafted`` drafts (looked up as ``count``'s)."""
         if drafted <= 0:
             return
-        match = (source, matched, agreed)
+        bin_ = self._bin(confidence)
+        match = (source, matched, agreed, bin_)
         first = (int(kept > 0), 1)
         self._first.setdefault(match, _Rate()).add(*first)
         tried = min(kept, drafted - 1)  # drafts 2.. tried: each after a kept one
         successors = (tried if kept == drafted else tried - 1, tried) if tried else (0, 0)
-        self._next.setdefault(source, _Rate()).add(*successors)
+        self._next.setdefault((source, bin_), _Rate()).add(*successors)
         self._pooled.add(match, first, successors)

@@ -105,6 +105,12 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     return int(torch.multinomial(probabilities(logits, params).cpu(), 1, generator=generator))
 
 
+def top_probability(logits: torch.Tensor) -> float:
+    """The largest softmax probability of one row of logits [V]: how sure the model is of its greedy pick."""
+    row = logits.float()
+    return float(torch.exp(row.max() - torch.logsumexp(row, -1)))
+
+
 def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """The distribution [V] that sampling with ``params`` (temperature > 0) draws from after ``logits`` [V]."""
     logits = logits.float() / params.temperature
@@ -213,6 +219,7 @@ def decode_tokens(
         lookup = PromptLookup(context_ids, phrases=runner.answer_phrases) if drafts else None
         keep(0, first_logits)
         picked = [sample(first_logits, params, generator)]
+        confidence = top_probability(first_logits) if policy is not None else None  # of the fed token's pick
         emitted = 0
         while True:
             for token in picked:
@@ -229,15 +236,16 @@ def decode_tokens(
             if lookup is not None:
                 proposed = lookup.propose(min(STEP_ROWS - 1, params.max_new_tokens - emitted - 1))
                 if policy is not None and proposed:
+                    length = cache.get_seq_length()
                     proposed = proposed[
-                        : policy.count(
-                            lookup.matched, len(proposed), cache.get_seq_length(), lookup.agreed, lookup.source
-                        )
+                        : policy.count(lookup.matched, len(proposed), length, lookup.agreed, lookup.source, confidence)
                     ]
             logits = forward([fed, *proposed], next_position + emitted - 1)
             if not proposed:
                 keep(emitted, logits[0])
                 picked = [sample(logits[0], params, generator)]
+                if policy is not None:
+                    confidence = top_probability(logits[0])
                 continue
             picked = accept(
                 logits, proposed, params.temperature == 0, lambda row: probabilities(row, params), generator
@@ -248,7 +256,9 @@ def decode_tokens(
             decoded.drafted += len(proposed)
             decoded.accepted += len(proposed) - rejected
             if policy is not None and lookup is not None:
-                policy.observe(lookup.matched, len(proposed), len(proposed) - rejected, lookup.agreed, lookup.source)
+                kept = len(proposed) - rejected
+                policy.observe(lookup.matched, len(proposed), kept, lookup.agreed, lookup.source, confidence)
+                confidence = top_probability(logits[len(picked) - 1])
             if rejected:
                 for layer in cache.layers:
                     layer.crop(-rejected)

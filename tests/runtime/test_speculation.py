@@ -20,6 +20,7 @@ from pc_rag.pml.nodes import Import, Module, Prompt, Schema, Text
 from pc_rag.rag.adapter import SpliceAdapter
 from pc_rag.runtime import generate
 from pc_rag.runtime.decode_step import STEP_ROWS
+from pc_rag.runtime.draft_policy import DraftPolicy
 from pc_rag.runtime.generate import SamplingParams, probabilities
 from pc_rag.runtime.model_call import ModelCall
 from pc_rag.runtime.model_runner import ModelRunner
@@ -325,3 +326,25 @@ def test_speculation_is_on_by_default_for_quantized_models_where_drafts_pay_for_
     dense.add_schema(schema)
     assert dense.generate(prompt, max_new_tokens=12).stats.drafted == 0
     assert dense.generate(prompt, max_new_tokens=12, speculative=True).stats.drafted > 0
+
+
+def test_the_policy_is_given_each_fed_tokens_confidence(tokenizer, monkeypatch) -> None:
+    """Each policy decision gets the top probability of the logits row that picked the step's fed token (the first
+    logits' for the first step, then the row of the token each step emitted last)."""
+    seen: list[float | None] = []
+    original = DraftPolicy.count
+
+    def count(self: DraftPolicy, *args: object, **kwargs: object) -> int:
+        seen.append(args[5] if len(args) > 5 else kwargs.get("confidence"))  # type: ignore[arg-type]
+        return original(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(DraftPolicy, "count", count)
+    schema = Schema("s", (Module("doc", (Text("The red tower. The red tower. The red tower."),)),))
+    prompt = Prompt("s", (Import("doc"), Text(" The red")))
+    cache = PromptCache(tiny_in("llama", "int4", tokenizer))
+    cache.add_schema(schema)
+    result = cache.generate(prompt, max_new_tokens=12, keep_logits=12)
+    assert seen and all(p is not None and 0 < p <= 1 for p in seen)
+    picks = torch.stack(list(result.step_logits)).softmax(-1).max(-1).values  # each emitted token's pick
+    assert all(float((picks - p).abs().min()) < 1e-6 for p in seen)  # each the top probability of a pick's row
+    assert len(set(seen)) > 1  # not one constant
