@@ -21,6 +21,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import torch
+from draft_policy_replay import replay
 
 from pc_rag.eval.datasets import load_examples, tuning_split
 from pc_rag.model import load_model
@@ -28,7 +29,6 @@ from pc_rag.rag import RagEngine
 from pc_rag.rag.tuned import find_phrases
 from pc_rag.runtime.answer_phrases import AnswerPhrases
 from pc_rag.runtime.draft_policy import CONFIDENCE_BINS, confidence_bin
-from pc_rag.runtime.speculation import PromptLookup
 
 DATASET = Path("../shared/data/multidoc_qa/hotpotqa.jsonl")
 MAX_NEW_TOKENS = 64
@@ -57,22 +57,14 @@ def answer(args: argparse.Namespace) -> None:
 def replay_steps(prompt: list[int], ids: list[int], top: list[float], phrases: AnswerPhrases | None) -> list[dict]:
     """Every verify step of prompt lookup over a greedy answer, every draft verified: source, confidence bin of
     the fed token, drafts and kept drafts."""
-    lookup = PromptLookup(prompt, phrases=phrases)
-    lookup.append(ids[0])
-    at, steps = 1, []
-    while at < len(ids):
-        drafts = lookup.propose(min(MAX_DRAFTS, len(ids) - at - 1))
-        kept = 0
-        for offset, draft in enumerate(drafts):
-            if ids[at + offset] != draft:
-                break
-            kept += 1
-        if drafts:
-            steps.append({"source": lookup.source, "bin": confidence_bin(top[at - 1]), "drafted": len(drafts),
-                          "kept": kept})  # fmt: skip
-        for token in ids[at : at + kept + 1]:
-            lookup.append(token)
-        at += kept + 1
+    steps: list[dict] = []
+
+    def observe(features: dict, drafted: int, kept: int) -> None:
+        steps.append({"source": features["source"], "bin": confidence_bin(features["confidence"]),
+                      "drafted": drafted, "kept": kept})  # fmt: skip
+
+    answer = {"prompt": prompt, "ids": ids, "top": top, "length": len(prompt)}
+    replay(answer, [1.0] * (MAX_DRAFTS + 1), phrases, lambda drafts, _, __: len(drafts), observe)
     return steps
 
 
