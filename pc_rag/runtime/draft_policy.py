@@ -103,6 +103,11 @@ Carry = tuple[str, int]
 """What a successor's rate is kept by: the source and the confidence bin."""
 
 
+def carry_of(match: Match) -> Carry:
+    """The successor key of a first draft's ``match``: its source and confidence bin."""
+    return match[0], match[3]
+
+
 class KeepRates:
     """Every request's verified drafts, pooled per runner: the prior of a new request's keep rates."""
 
@@ -126,7 +131,7 @@ class KeepRates:
     def add(self, match: Match, first: tuple[int, int], successors: tuple[int, int]) -> None:
         with self._lock:
             self._first.setdefault(match, _Rate()).add(*first)
-            self._next.setdefault((match[0], match[3]), _Rate()).add(*successors)
+            self._next.setdefault(carry_of(match), _Rate()).add(*successors)
 
 
 class DraftPolicy:
@@ -139,8 +144,8 @@ class DraftPolicy:
         self._next: dict[Carry, _Rate] = {}
         self._by_confidence = os.environ.get(CONFIDENCE_SWITCH, "1") != "0"
 
-    def _bin(self, confidence: float | None) -> int:
-        return confidence_bin(confidence) if self._by_confidence else -1
+    def _match(self, source: str, matched: int, agreed: bool, confidence: float | None) -> Match:
+        return source, matched, agreed, confidence_bin(confidence) if self._by_confidence else -1
 
     def count(
         self,
@@ -156,8 +161,8 @@ class DraftPolicy:
         over ``length`` cached tokens; 0 runs the step alone."""
         if matched <= 0 or available <= 0:
             return 0
-        bin_ = self._bin(confidence)
-        match, carried = (source, matched, agreed, bin_), (source, bin_)
+        match = self._match(source, matched, agreed, confidence)
+        carried = carry_of(match)
         own = self._first.get(match, _Rate())
         keep = own.value(self._pooled.first(match), POOLED_WEIGHT)
         carry = self._next.get(carried, _Rate()).value(self._pooled.successor(carried), POOLED_WEIGHT)
@@ -183,11 +188,10 @@ class DraftPolicy:
         """A verify step's outcome: ``kept`` of its ``drafted`` drafts (looked up as ``count``'s)."""
         if drafted <= 0:
             return
-        bin_ = self._bin(confidence)
-        match = (source, matched, agreed, bin_)
+        match = self._match(source, matched, agreed, confidence)
         first = (int(kept > 0), 1)
         self._first.setdefault(match, _Rate()).add(*first)
         tried = min(kept, drafted - 1)  # drafts 2.. tried: each after a kept one
         successors = (tried if kept == drafted else tried - 1, tried) if tried else (0, 0)
-        self._next.setdefault((source, bin_), _Rate()).add(*successors)
+        self._next.setdefault(carry_of(match), _Rate()).add(*successors)
         self._pooled.add(match, first, successors)

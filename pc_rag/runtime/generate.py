@@ -244,24 +244,23 @@ def decode_tokens(
             if not proposed:
                 keep(emitted, logits[0])
                 picked = [sample(logits[0], params, generator)]
-                if policy is not None:
-                    confidence = top_probability(logits[0])
-                continue
-            picked = accept(
-                logits, proposed, params.temperature == 0, lambda row: probabilities(row, params), generator
-            )
-            for t in range(len(picked)):
-                keep(emitted + t, logits[t])
-            rejected = len(proposed) - (len(picked) - 1)
-            decoded.drafted += len(proposed)
-            decoded.accepted += len(proposed) - rejected
-            if policy is not None and lookup is not None:
-                kept = len(proposed) - rejected
-                policy.observe(lookup.matched, len(proposed), kept, lookup.agreed, lookup.source, confidence)
-                confidence = top_probability(logits[len(picked) - 1])
-            if rejected:
-                for layer in cache.layers:
-                    layer.crop(-rejected)
+            else:
+                picked = accept(
+                    logits, proposed, params.temperature == 0, lambda row: probabilities(row, params), generator
+                )
+                for t in range(len(picked)):
+                    keep(emitted + t, logits[t])
+                rejected = len(proposed) - (len(picked) - 1)
+                decoded.drafted += len(proposed)
+                decoded.accepted += len(proposed) - rejected
+                if policy is not None and lookup is not None:
+                    kept = len(proposed) - rejected
+                    policy.observe(lookup.matched, len(proposed), kept, lookup.agreed, lookup.source, confidence)
+                if rejected:
+                    for layer in cache.layers:
+                        layer.crop(-rejected)
+            if policy is not None:
+                confidence = top_probability(logits[len(picked) - 1])  # the row that picked the next fed token
 
     decoded._tokens = steps()
     return decoded
