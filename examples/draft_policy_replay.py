@@ -60,22 +60,30 @@ def answers(engine: RagEngine, first: int, stop: int) -> list[dict]:
     return out
 
 
-def replay(answer: dict, relative: list[float], phrases: AnswerPhrases | None, choose: Choose,
-           observe: Callable[[dict, int, int], None] | None = None) -> float:  # fmt: skip
-    """Decoded tokens over summed step costs when ``choose(drafts, features, kept)`` picks each step's count."""
-    ids, top = answer["ids"], answer["top"]
+def replay(
+    answer: dict,
+    relative: list[float],
+    phrases: AnswerPhrases | None,
+    choose: Choose,
+    observe: Callable[[dict, int, int], None] | None = None,
+    max_drafts: int = STEP_ROWS - 1,
+) -> float:
+    """Decoded tokens over summed step costs when ``choose(drafts, features, kept)`` picks each step's count (up to
+    ``max_drafts`` drafts a step; ``relative[r]``: a step of r + 1 rows). ``answer`` holds the prompt's and the
+    answer's ids, the answer's length bucket and, where measured, each pick's top probability (``top``)."""
+    ids, top = answer["ids"], answer.get("top")
     lookup = PromptLookup(answer["prompt"], phrases=phrases)
     lookup.append(ids[0])  # the first token comes from the prefill
     at, cost = 1, 0.0
     while at < len(ids):
-        drafts = lookup.propose(min(STEP_ROWS - 1, len(ids) - at - 1))
+        drafts = lookup.propose(min(max_drafts, len(ids) - at - 1))
         would_keep = 0
         for offset, draft in enumerate(drafts):
             if ids[at + offset] != draft:
                 break
             would_keep += 1
         features = {"matched": lookup.matched, "agreed": lookup.agreed, "source": lookup.source,
-                    "confidence": top[at - 1], "length": answer["length"]}  # fmt: skip
+                    "confidence": top[at - 1] if top else None, "length": answer["length"]}  # fmt: skip
         count = choose(drafts, features, would_keep) if drafts else 0
         kept = min(count, would_keep)
         cost += relative[count]

@@ -29,6 +29,32 @@ from pc_rag.model import load_model
 from pc_rag.rag import RagEngine
 
 
+def interleaved(peers: dict, mode: str, work: object, switch: str, variants: list[str], repeats: int) -> dict:
+    """One answer's plain and speculative decode speeds (medians over ``repeats`` rounds, each round running plain
+    decoding and every value of ``switch`` in an order that rotates), and whether every output equals plain's."""
+    arms = ["plain", *variants]
+    speeds: dict[str, list[float]] = {arm: [] for arm in arms}
+    outputs: dict[str, list[list[int]]] = {arm: [] for arm in arms}
+    steps: dict[str, float] = {}
+    for round_ in range(repeats):
+        for arm in arms[round_ % len(arms) :] + arms[: round_ % len(arms)]:
+            name = f"pc-rag {mode}" if arm == "plain" else f"pc-rag {mode} + speculation"
+            if arm != "plain":
+                os.environ[switch] = arm
+            measured = _measure(name, peers[name][0], work, 1)
+            speeds[arm].append(measured.decode_tokens_per_s)
+            outputs[arm].append(measured.token_ids)
+            if arm != "plain":
+                steps[arm] = measured.tokens_per_step
+    plain_ids = outputs["plain"][0]
+    plain = statistics.median(speeds["plain"])
+    return {"tokens": len(plain_ids), "plain_tokens_per_s": plain,
+            "same_as_plain": all(ids == plain_ids for v in variants for ids in outputs[v]),
+            "variants": {v: {"tokens_per_s": statistics.median(speeds[v]),
+                             "over_plain": statistics.median(speeds[v]) / plain,
+                             "tokens_per_step": steps[v]} for v in variants}}  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--switch", required=True, help="an environment variable read per request")
@@ -43,36 +69,16 @@ def main() -> None:
     engine = RagEngine(load_model(dtype="int4"))
     peers = engine_peers(engine)
     modes = [engine.default_mode if mode == "default" else mode for mode in args.modes.split(",")]
-    arms = ["plain", *variants]
     answers = []
     for target in (int(t) for t in args.tokens.split(",")):
         for question in sample_questions()[: args.questions]:
             work = answer_workload(engine, question, target)
             for mode in modes:
-                speeds: dict[str, list[float]] = {arm: [] for arm in arms}
-                steps: dict[str, float] = {}
-                same = True
-                plain_ids = None
-                for round_ in range(args.repeats):
-                    for arm in arms[round_ % len(arms) :] + arms[: round_ % len(arms)]:
-                        name = f"pc-rag {mode}" if arm == "plain" else f"pc-rag {mode} + speculation"
-                        if arm != "plain":
-                            os.environ[args.switch] = arm
-                        measured = _measure(name, peers[name][0], work, 1)
-                        speeds[arm].append(measured.decode_tokens_per_s)
-                        if arm == "plain":
-                            plain_ids = plain_ids or measured.token_ids
-                        else:
-                            steps[arm] = measured.tokens_per_step
-                            same = same and measured.token_ids == (plain_ids or measured.token_ids)
-                plain = statistics.median(speeds["plain"])
-                row = {"length": target, "question": question.id, "mode": mode, "tokens": len(plain_ids or []),
-                       "plain_tokens_per_s": plain, "same_as_plain": same,
-                       "variants": {v: {"tokens_per_s": statistics.median(speeds[v]),
-                                        "over_plain": statistics.median(speeds[v]) / plain,
-                                        "tokens_per_step": steps[v]} for v in variants}}  # fmt: skip
+                row = {"length": target, "question": question.id, "mode": mode,
+                       **interleaved(peers, mode, work, args.switch, variants, args.repeats)}  # fmt: skip
                 answers.append(row)
-                print(f"{target:>5} {question.id[:8]} {mode:5} {row['tokens']:>3} tokens: plain {plain:6.1f} tok/s; "
+                print(f"{target:>5} {question.id[:8]} {mode:5} {row['tokens']:>3} tokens: plain "
+                      f"{row['plain_tokens_per_s']:6.1f} tok/s; "
                       + "; ".join(f"{args.switch}={v} {row['variants'][v]['over_plain']:.2f}x" for v in variants),
                       flush=True)  # fmt: skip
     summary = {v: {"median_over_plain": statistics.median(a["variants"][v]["over_plain"] for a in answers)}

@@ -30,12 +30,13 @@ import json
 import statistics
 from pathlib import Path
 
+from draft_policy_replay import replay as replay_costs
+
 from pc_rag.bench.answer_time import answer_workload
 from pc_rag.hotpotqa_sample import sample_questions
 from pc_rag.model import load_model
 from pc_rag.rag import RagEngine
 from pc_rag.runtime.answer_phrases import AnswerPhrases
-from pc_rag.runtime.speculation import PromptLookup
 
 MAX_DRAFTS = 3
 
@@ -50,28 +51,21 @@ def replay(
     """Tokens per step (the same for both: greedy keeps the same drafts), and the speedup over plain decoding with
     every draft verified and with the oracle's count, at the step costs ``relative`` (1 to ``max_drafts + 1``
     rows)."""
-    steps, every_cost, oracle_cost = 0, 0.0, 0.0
-    lookup = PromptLookup(prompt, phrases=phrases)
-    lookup.append(answer[0])  # the first token comes from the prefill
-    at = 1
-    while at < len(answer):
-        drafts = lookup.propose(min(max_drafts, len(answer) - at - 1))
-        kept = 0
-        for offset, draft in enumerate(drafts):
-            if answer[at + offset] != draft:
-                break
-            kept += 1
-        steps += 1
-        every_cost += relative[len(drafts)]  # the fed token and every draft
-        oracle_cost += relative[kept]  # the fed token and the drafts that will be kept
-        for token in answer[at : at + kept + 1]:
-            lookup.append(token)
-        at += kept + 1
-    decoded = len(answer) - 1
-    if decoded == 0:
+    if len(answer) < 2:
         return {"tokens_per_step": 1.0, "every_speedup": 1.0, "oracle_speedup": 1.0}
-    return {"tokens_per_step": decoded / steps, "every_speedup": decoded / every_cost,
-            "oracle_speedup": decoded / oracle_cost}  # fmt: skip
+    work = {"prompt": prompt, "ids": answer, "length": len(prompt)}
+
+    def every(drafts: list[int], _: dict, __: int) -> int:
+        return len(drafts)
+
+    def oracle(_: list[int], __: dict, kept: int) -> int:
+        return kept
+
+    return {
+        "tokens_per_step": replay_costs(work, [1.0] * (max_drafts + 1), phrases, every, max_drafts=max_drafts),
+        "every_speedup": replay_costs(work, relative, phrases, every, max_drafts=max_drafts),
+        "oracle_speedup": replay_costs(work, relative, phrases, oracle, max_drafts=max_drafts),
+    }
 
 
 def main() -> None:
