@@ -3,7 +3,8 @@
 A verify step computes the fed token and its drafts as rows; each row adds its matmuls and its attention over the
 whole cache (``runtime/draft_policy.py`` weighs drafts against this). This serves the ``ask`` prompt of a sample
 question padded to each length, stops at its first decode step, and times ``ModelRunner.verify`` of 1 to 4 rows on
-that cache (median of ``--steps`` after a warm-up; the rows are cropped after each call):
+that cache (median of ``--steps`` after a warm-up, the row counts taking turns; the rows are cropped after each
+call):
 
     python examples/verify_step_rows.py --dtype int4 --tokens-context 1024,4096,8192 \
         --json examples/results/verify_step_rows_xeon.json
@@ -51,20 +52,18 @@ def first_step(engine: RagEngine, target: int, mode: str) -> tuple[ModelRunner, 
 
 
 def step_times(runner: ModelRunner, token: int, position: int, cache: object, steps: int) -> dict[int, float]:
-    """Median ms of ``runner.verify`` of 1 to ``STEP_ROWS`` rows over ``cache`` (after 5 warm-up calls), the rows
-    cropped after each call."""
-    times = {}
+    """Median ms of ``runner.verify`` of 1 to ``STEP_ROWS`` rows over ``cache`` (after 5 warm-up rounds), the rows
+    cropped after each call. The row counts take turns, so a machine that slows for a while slows each of them."""
+    samples: dict[int, list[float]] = {count: [] for count in range(1, STEP_ROWS + 1)}
     with torch.inference_mode():
-        for count in range(1, STEP_ROWS + 1):
-            samples = []
-            for _ in range(steps + 5):
+        for _ in range(steps + 5):
+            for count, times in samples.items():
                 start = time.perf_counter()
                 runner.verify([token] * count, position, cache, rows=count)  # type: ignore[arg-type]
-                samples.append(time.perf_counter() - start)
+                times.append(time.perf_counter() - start)
                 for layer in cache.layers:  # type: ignore[attr-defined]
                     layer.crop(-count)
-            times[count] = statistics.median(samples[5:]) * 1000
-    return times
+    return {count: statistics.median(times[5:]) * 1000 for count, times in samples.items()}
 
 
 def main() -> None:

@@ -5,10 +5,10 @@ bandwidth. ``int8`` keeps one int8 per weight and a scale per output channel; ``
 per weight with a scale and zero per group of 32 inputs (min-max, asymmetric): the layout of
 GGUF's Q4_1, so a model dequantized from Q4_1 (the bundled SmolLM2) gets its own 4-bit weights back,
 not a second rounding. The output projection stays int8 in ``int4`` (GGUF keeps it at 8 bits too).
-Quantized layers compute in bfloat16. A decode step (a few rows) calls PyTorch's fused CPU kernels
-(``_weight_int8pack_mm``, ``_weight_int4pack_mm_for_cpu``), or with ``PC_RAG_AMX`` on a CPU with AMX pc-rag's
-(``runtime/csrc/amx_linear.cpp``: a step's extra rows then cost almost nothing, one row more), and reads the
-small weights; many rows
+Quantized layers compute in bfloat16. A decode step (a few rows) reads the small weights: on a CPU with AVX-512
+BF16 through pc-rag's dot-product kernel (``runtime/csrc/dot_linear.cpp``, ``PC_RAG_DOT_LINEAR``), with
+``PC_RAG_AMX`` on a CPU with AMX through its tile kernel (``runtime/csrc/amx_linear.cpp``), elsewhere through
+PyTorch's fused CPU kernels (``_weight_int8pack_mm``, ``_weight_int4pack_mm_for_cpu``); many rows
 (prefill, recompute, encoding) multiply a dense bfloat16 copy of the same dequantized weight, where
 the GEMM is compute-bound and those kernels are slow. So they save decode bandwidth, not memory. Off
 the CPU every call takes the dense copy: correct, not faster (no GPU was lent to test a GPU kernel).
@@ -120,15 +120,16 @@ class QuantizedLinear(nn.Module, ABC):
         self.weight = nn.Parameter(weight, requires_grad=False)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
 
-    _amx: tuple[torch.Tensor, ...] | None = None  # amx_pack's blocks and their scales, made on first use
+    _blocks: tuple[str, tuple[torch.Tensor, ...]] | None = None  # (kernel, its blocks and scales), made on first use
 
-    def _amx_tensors(self, q: torch.Tensor, scales: torch.Tensor, bits: int) -> tuple[torch.Tensor, ...] | None:
-        """``q``'s AMX blocks and ``scales`` where ``PC_RAG_AMX`` puts this layer on AMX, packed once; else None."""
-        if not _on_amx(q, bits):
+    def _blocked_tensors(self, q: torch.Tensor, scales: torch.Tensor, bits: int) -> tuple[torch.Tensor, ...] | None:
+        """``q`` and ``scales`` packed once for the blocked kernel this layer takes (``blocked_kernel``); else None."""
+        kernel = blocked_kernel(q, bits)
+        if kernel is None:
             return None
-        if self._amx is None:
-            self._amx = (amx_pack(q, bits), scales)
-        return self._amx
+        if self._blocks is None or self._blocks[0] != kernel:
+            self._blocks = (kernel, blocked_tensors(kernel, q, scales, bits))
+        return self._blocks[1]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         tensors = self.kernel_tensors()
@@ -174,31 +175,77 @@ def _amx_kernel(bits: int) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor
     return amx_linear() if bits in amx_layers() else None
 
 
-def _amx_call(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, bits: int) -> torch.Tensor:
-    from pc_rag.runtime.cpu_kernels import amx_linear
+def _dot_kernel() -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor] | None:
+    """The dot-product kernel where it runs here and ``PC_RAG_DOT_LINEAR`` leaves it on (``cpu_kernels``)."""
+    from pc_rag.runtime.cpu_kernels import dot_linear, dot_on
 
-    amx = amx_linear()
-    if amx is None:
-        msg = f"int{bits} weights in AMX blocks, but the AMX kernel cannot run in this process"
+    return dot_linear() if dot_on() else None
+
+
+def blocked_kernel(q: torch.Tensor, bits: int) -> str | None:
+    """Which blocked kernel weights ``q`` take for decode rows: ``"amx"`` where ``PC_RAG_AMX`` asks for it,
+    ``"dot"`` where the CPU has AVX-512 BF16, or None (ATen's fused kernels); only whole blocks of 16 outputs
+    and 32 inputs on the CPU."""
+    if q.device.type != "cpu" or q.shape[0] % 16 or q.shape[1] % 32:
+        return None
+    if _amx_kernel(bits) is not None:
+        return "amx"
+    return "dot" if _dot_kernel() is not None else None
+
+
+def blocked_tensors(kernel: str, q: torch.Tensor, scales: torch.Tensor, bits: int) -> tuple[torch.Tensor, ...]:
+    """``kernel``'s tensors for weights ``q`` (int4: uint8 0..15, int8: int8) with their ``scales``."""
+    if kernel == "amx":
+        return amx_pack(q, bits), scales
+    return dot_pack(q, bits), (dot_scales(scales) if bits == 4 else scales)
+
+
+def _blocked_call(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, bits: int) -> torch.Tensor:
+    """``x`` times blocked weights: AMX blocks have 4 dimensions (``amx_pack``), dot-product blocks 3 (``dot_pack``).
+    The switches chose the pack; once packed, the weights run on its kernel."""
+    from pc_rag.runtime.cpu_kernels import amx_linear, dot_linear
+
+    name, kernel = ("AMX", amx_linear()) if packed.dim() == 4 else ("dot-product", dot_linear())
+    if kernel is None:
+        msg = f"int{bits} weights in {name} blocks, but the {name} kernel cannot run in this process"
         raise RuntimeError(msg)
-    return amx(x, packed, scales, bits)
+    return kernel(x, packed, scales, bits)
+
+
+def _pairs(q: torch.Tensor) -> torch.Tensor:
+    """``q`` [out, in] as [out / 16, in / 32, 16 pairs, 32]: pair p's element e is output e // 2's input 2p + e % 2
+    (a TDPBF16PS B row, a VDPBF16PS operand)."""
+    out_features, in_features = q.shape
+    elements = q.view(out_features // 16, 16, in_features // 32, 16, 2).permute(0, 2, 3, 1, 4)
+    return elements.reshape(out_features // 16, in_features // 32, 16, 32)
 
 
 def amx_pack(q: torch.Tensor, bits: int) -> torch.Tensor:
     """``q`` [out, in] (int4: uint8 0..15, int8: int8) in ``csrc/amx_linear.cpp``'s blocks [out / 16, in / 32, 16
-    lines, 16 (int4) or 32 (int8) bytes]: line p of a block dequantizes to a TDPBF16PS B row, whose element e is
-    output e // 2's input 2p + e % 2; an int4 line's byte t holds elements t (low nibble) and t + 16 (high)."""
-    out_features, in_features = q.shape
-    elements = q.view(out_features // 16, 16, in_features // 32, 16, 2).permute(0, 2, 3, 1, 4)
-    elements = elements.reshape(out_features // 16, in_features // 32, 16, 32)
+    lines, 16 (int4) or 32 (int8) bytes]: line p of a block is ``_pairs``' pair p; an int4 line's byte t holds
+    elements t (low nibble) and t + 16 (high)."""
+    elements = _pairs(q)
     if bits == 8:
         return elements.contiguous()
     return (elements[..., :16] | (elements[..., 16:] << 4)).contiguous()
 
 
-def _on_amx(q: torch.Tensor, bits: int) -> bool:
-    """Whether weights ``q`` take the AMX kernel: its block shape, on the CPU, where ``PC_RAG_AMX`` asks for it."""
-    return q.device.type == "cpu" and q.shape[0] % 16 == 0 and q.shape[1] % 32 == 0 and _amx_kernel(bits) is not None
+def dot_pack(q: torch.Tensor, bits: int) -> torch.Tensor:
+    """``q`` [out, in] (int4: uint8 0..15, int8: int8) in ``csrc/dot_linear.cpp``'s blocks [out / 16, in / 32,
+    256 (int4) or 512 (int8) bytes]: int8 is ``_pairs``' 16 pairs in order; int4 is 8 chunks of 32 bytes, chunk j's
+    byte e holding element e of pair 2j (low nibble) and of pair 2j + 1 (high)."""
+    elements = _pairs(q)
+    if bits == 4:
+        elements = elements[:, :, 0::2] | (elements[:, :, 1::2] << 4)
+    return elements.reshape(*elements.shape[:2], -1).contiguous()
+
+
+def dot_scales(scales_and_zeros: torch.Tensor) -> torch.Tensor:
+    """int4 ``scales_and_zeros`` [in / 32, out, 2] as ``csrc/dot_linear.cpp``'s [out / 16, in / 32, 32]: each
+    block's 16 scales, then its 16 zeros."""
+    groups, out_features, _ = scales_and_zeros.shape
+    blocks = scales_and_zeros.view(groups, out_features // 16, 16, 2).permute(1, 0, 3, 2)
+    return blocks.reshape(out_features // 16, groups, 32).contiguous()
 
 
 class Int8Linear(QuantizedLinear):
@@ -220,20 +267,21 @@ class Int8Linear(QuantizedLinear):
     @staticmethod
     def matmul(x: torch.Tensor, *tensors: torch.Tensor) -> torch.Tensor:
         qweight, scales = tensors
-        if qweight.dim() == 4:  # amx_pack's blocks
-            return _amx_call(x, qweight, scales, 8)
+        if qweight.dim() > 2:  # a blocked kernel's
+            return _blocked_call(x, qweight, scales, 8)
         return torch.ops.aten._weight_int8pack_mm(x, qweight, scales)
 
     def kernel_tensors(self) -> tuple[torch.Tensor, ...] | None:
         if self.qweight.device.type != "cpu":
             return None
-        return self._amx_tensors(self.qweight, self.scales, 8) or (self.qweight, self.scales)
+        return self._blocked_tensors(self.qweight, self.scales, 8) or (self.qweight, self.scales)
 
     @classmethod
     def joined(cls, layers: Sequence[QuantizedLinear]) -> tuple[torch.Tensor, ...] | None:
         qweight = torch.cat([layer.qweight for layer in layers])  # type: ignore[attr-defined]
         scales = torch.cat([layer.scales for layer in layers])  # type: ignore[attr-defined]
-        return (amx_pack(qweight, 8) if _on_amx(qweight, 8) else qweight), scales
+        kernel = blocked_kernel(qweight, 8)
+        return (qweight, scales) if kernel is None else blocked_tensors(kernel, qweight, scales, 8)
 
 
 class Int4Linear(QuantizedLinear):
@@ -271,21 +319,21 @@ class Int4Linear(QuantizedLinear):
     @staticmethod
     def matmul(x: torch.Tensor, *tensors: torch.Tensor) -> torch.Tensor:
         packed, scales_and_zeros = tensors
-        if packed.dim() == 4:  # amx_pack's blocks
-            return _amx_call(x, packed, scales_and_zeros, 4)
+        if packed.dim() > 2:  # a blocked kernel's
+            return _blocked_call(x, packed, scales_and_zeros, 4)
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, INT4_GROUP, scales_and_zeros)
 
     def kernel_tensors(self) -> tuple[torch.Tensor, ...] | None:
         if self.packed is None:
             return None
-        return self._amx_tensors(self.q, self.scales_and_zeros, 4) or (self.packed, self.scales_and_zeros)
+        return self._blocked_tensors(self.q, self.scales_and_zeros, 4) or (self.packed, self.scales_and_zeros)
 
     @classmethod
     def joined(cls, layers: Sequence[QuantizedLinear]) -> tuple[torch.Tensor, ...] | None:
         q = torch.cat([layer.q for layer in layers])  # type: ignore[attr-defined]
         scales_and_zeros = torch.cat([layer.scales_and_zeros for layer in layers], dim=1)  # type: ignore[attr-defined]
-        if _on_amx(q, 4):
-            return amx_pack(q, 4), scales_and_zeros
+        if (kernel := blocked_kernel(q, 4)) is not None:
+            return blocked_tensors(kernel, q, scales_and_zeros, 4)
         packed = _pack_int4(q)
         return None if packed is None else (packed, scales_and_zeros)
 

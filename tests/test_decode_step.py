@@ -14,6 +14,7 @@ from pc_rag.assemble import forward_new_tokens
 from pc_rag.engine import PromptCache
 from pc_rag.kv import allocate
 from pc_rag.pml.nodes import Import, Module, Prompt, Schema, Text
+from pc_rag.runtime.cpu_kernels import DOT_SWITCH
 from pc_rag.runtime.decode_step import DecodeStep, kernel_corrections
 from pc_rag.runtime.generate import SamplingParams, decode_tokens
 from pc_rag.runtime.model_call import ModelCall
@@ -127,11 +128,15 @@ def test_an_adapter_on_quantized_layers_acts_inside_the_step(tokenizer, merged: 
         adapter.detach()
 
 
-def test_a_merged_adapter_keeps_the_fused_kernels_on_inside_and_outside_its_block(tokenizer) -> None:
+def test_a_merged_adapter_keeps_the_fused_kernels_on_inside_and_outside_its_block(
+    tokenizer, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A merged adapter stays attached while a server runs every mode; outside ``applied()`` its layers are the
     plain ones, so the step keeps the fused q/k/v kernel (one int4 call for three) and equals the plain step.
     Inside, the fused kernel still runs, with the adapter's low-rank term added to ``q_proj``'s rows (the default
-    mode decodes as fast as ``naive``), and the step equals the one that calls the adapted modules."""
+    mode decodes as fast as ``naive``), and the step equals the one that calls the adapted modules. The profiler
+    counts ATen's kernel calls, so the layers keep ATen's kernels here (``PC_RAG_DOT_LINEAR=0``)."""
+    monkeypatch.setenv(DOT_SWITCH, "0")
     lm = tiny_in("llama", "int4", tokenizer)
     attn = lm.model.get_decoder().layers[0].self_attn
     step = DecodeStep.of(lm.model)

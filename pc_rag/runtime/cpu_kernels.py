@@ -9,8 +9,9 @@ beside drafts get the same bits without padding the cache to buckets. Steps use 
 quantized and bfloat16 dtypes); over float32 the flash kernel is as fast (``decode_attention_over``).
 ``decode_layers()`` runs a step's decoder layers in one C++ call with the Python loop's bits
 (``csrc/decode_layers.cpp``, used by ``native_layers``); ``low_rank_term()`` is a merged adapter's term per row;
-``amx_linear()`` multiplies a few rows by int4/int8 weights on AMX tiles where the CPU has them
-(``csrc/amx_linear.cpp``, used by ``weights``).
+``dot_linear()`` multiplies a few rows by int4/int8 weights on AVX-512 BF16 dot products where the CPU has them
+(``csrc/dot_linear.cpp``, used by ``weights`` by default), ``amx_linear()`` on AMX tiles where asked
+(``csrc/amx_linear.cpp``).
 
 It is built with ``torch.utils.cpp_extension`` (a C++ compiler and ninja; ~30 s the first time, then loaded in
 milliseconds from ``$PC_RAG_KERNEL_CACHE``, by default ``~/.cache/pc_rag/kernels``, one directory per source,
@@ -192,3 +193,32 @@ def amx_linear() -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int], to
     if module is None or not module.amx_available():
         return None
     return module.amx_linear  # type: ignore[no-any-return]
+
+
+DOT_SWITCH = "PC_RAG_DOT_LINEAR"
+"""``0`` keeps ATen's fused kernels for a step's quantized layers where ``dot_linear`` would run (the default,
+``1``). See ``dot_on``."""
+
+
+def dot_on() -> bool:
+    """Whether ``PC_RAG_DOT_LINEAR`` lets quantized layers take ``dot_linear`` (on by default). On the 2-core Zen 4
+    VM a step's int4 layers of SmolLM2 took 2.5 ms for one row against ATen's 4.0 (3.4 against 6.4 for four rows),
+    its int8 output projection 0.7 against 2.1 (``examples/quantized_kernels.py``)."""
+    asked = os.environ.get(DOT_SWITCH, "1")
+    if asked not in ("0", "1"):
+        msg = f"{DOT_SWITCH}={asked!r}: expected 0 or 1"
+        raise ValueError(msg)
+    return asked == "1"
+
+
+@functools.cache  # asked per quantized layer call: the CPU and the built module do not change in a process
+def dot_linear() -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor] | None:
+    """``csrc/dot_linear.cpp``'s ``dot_linear(x, packed, scales, bits)`` (``weights.dot_pack``'s blocks); None
+    unless the kernels are built and this CPU has AVX-512 BF16 (``ATEN_CPU_CAPABILITY`` not below AVX-512). Whether
+    layers use it: ``dot_on``."""
+    if not getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)():
+        return None
+    module = _module()
+    if module is None or not module.dot_available():
+        return None
+    return module.dot_linear  # type: ignore[no-any-return]

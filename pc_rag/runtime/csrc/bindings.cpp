@@ -7,6 +7,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("low_rank_term", &pc_rag::low_rank_term);
   m.def("amx_available", &pc_rag::amx_available);
   m.def("amx_linear", &pc_rag::amx_linear, py::call_guard<py::gil_scoped_release>());
+  m.def("dot_available", &pc_rag::dot_available);
+  m.def("dot_linear", &pc_rag::dot_linear, py::call_guard<py::gil_scoped_release>());
   py::class_<pc_rag::DecodeLayers>(m, "DecodeLayers")
       .def(py::init<std::vector<pc_rag::DecodeLayers::Tensors>, std::vector<std::vector<int64_t>>,
                     std::vector<int64_t>, std::vector<double>, int64_t, int64_t, int64_t, double>())

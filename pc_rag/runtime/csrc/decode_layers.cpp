@@ -10,7 +10,7 @@
 //
 // Per layer, tensors in the order of Slot (undefined where absent: no bias, no per-head norm); projections are
 // quantized kernel calls, kind 4 (_weight_int4pack_mm_for_cpu, group 32) or 8 (_weight_int8pack_mm), or
-// amx_linear.cpp's where the weight is an AMX pack (4 dims).
+// amx_linear.cpp's where the weight is an AMX pack (4 dims), dot_linear.cpp's where it is a dot pack (3 dims).
 #include "kernels.h"
 
 namespace pc_rag {
@@ -72,6 +72,7 @@ torch::Tensor kernel_call(int64_t kind, const torch::Tensor& weight, const torch
                           const std::optional<torch::Tensor>& bias, const torch::Tensor& x) {
   auto rows = x.contiguous();
   auto out = weight.dim() == 4 ? amx_linear(rows, weight, scales, kind)  // weights.amx_pack's blocks
+             : weight.dim() == 3 ? dot_linear(rows, weight, scales, kind)  // weights.dot_pack's blocks
              : kind == 4         ? at::_weight_int4pack_mm_for_cpu(rows, weight, kInt4Group, scales)
                                  : at::_weight_int8pack_mm(rows, weight, scales);
   return bias ? out + *bias : out;

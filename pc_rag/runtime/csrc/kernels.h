@@ -19,6 +19,10 @@ torch::Tensor low_rank_term(torch::Tensor out, torch::Tensor x, torch::Tensor a,
 bool amx_available();
 torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor scales, int64_t bits);
 
+// dot_linear.cpp: bfloat16 rows times int4 / int8 weights (weights.dot_pack) on AVX-512 BF16 dot products.
+bool dot_available();
+torch::Tensor dot_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor scales, int64_t bits);
+
 // decode_layers.cpp: a decode step's decoder layers, the ATen calls of decode_step.py made from C++.
 class DecodeLayers {
  public:
