@@ -218,12 +218,9 @@ bool amx_available() { return false; }
 
 torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor scales, int64_t bits) {
   TORCH_CHECK(amx_available(), "amx_linear: AMX is not usable on this CPU or process");
-  TORCH_CHECK(bits == 4 || bits == 8, "amx_linear: bits must be 4 or 8, got ", bits);
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16 && x.is_contiguous(),
-              "amx_linear: x must be contiguous bfloat16 [rows, in]");
+  check_rows_and_scales("amx_linear", x, scales, bits);
   TORCH_CHECK(packed.dim() == 4 && packed.is_contiguous() && packed.size(1) * kInputs == x.size(1),
               "amx_linear: packed weights of ", packed.size(1) * kInputs, " inputs for rows of ", x.size(1));
-  TORCH_CHECK(scales.scalar_type() == torch::kBFloat16 && scales.is_contiguous(), "amx_linear: bfloat16 scales");
   if (bits == 4) {
     TORCH_CHECK(scales.dim() == 3 && scales.size(0) == packed.size(1) && scales.size(1) == packed.size(0) * kOutputs &&
                     scales.size(2) == 2,

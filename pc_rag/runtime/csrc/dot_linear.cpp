@@ -235,13 +235,10 @@ bool dot_available() { return false; }
 
 torch::Tensor dot_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor scales, int64_t bits) {
   TORCH_CHECK(dot_available(), "dot_linear: this CPU has no AVX-512 BF16 (or ATEN_CPU_CAPABILITY asks for less)");
-  TORCH_CHECK(bits == 4 || bits == 8, "dot_linear: bits must be 4 or 8, got ", bits);
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16 && x.is_contiguous(),
-              "dot_linear: x must be contiguous bfloat16 [rows, in]");
+  check_rows_and_scales("dot_linear", x, scales, bits);
   TORCH_CHECK(packed.dim() == 3 && packed.is_contiguous() && packed.size(1) * kGroup == x.size(1) &&
                   packed.size(2) == (bits == 4 ? 256 : 512),
               "dot_linear: int", bits, " blocks of ", packed.size(1) * kGroup, " inputs for rows of ", x.size(1));
-  TORCH_CHECK(scales.scalar_type() == torch::kBFloat16 && scales.is_contiguous(), "dot_linear: bfloat16 scales");
   if (bits == 4) {
     TORCH_CHECK(packed.scalar_type() == torch::kUInt8, "dot_linear: int4 blocks are uint8");
     TORCH_CHECK(scales.dim() == 3 && scales.size(0) == packed.size(0) && scales.size(1) == packed.size(1) &&

@@ -15,6 +15,15 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor keys, torch::Tenso
 // low_rank.cpp: out + (b @ a) x over a quantized kernel's rows, each row in an order of its own.
 torch::Tensor low_rank_term(torch::Tensor out, torch::Tensor x, torch::Tensor a, torch::Tensor b);
 
+// What amx_linear and dot_linear check of their rows x [rows, in] and scales, naming `kernel` in the errors.
+inline void check_rows_and_scales(const char* kernel, const torch::Tensor& x, const torch::Tensor& scales,
+                                  int64_t bits) {
+  TORCH_CHECK(bits == 4 || bits == 8, kernel, ": bits must be 4 or 8, got ", bits);
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16 && x.is_contiguous(), kernel,
+              ": x must be contiguous bfloat16 [rows, in]");
+  TORCH_CHECK(scales.scalar_type() == torch::kBFloat16 && scales.is_contiguous(), kernel, ": bfloat16 scales");
+}
+
 // amx_linear.cpp: bfloat16 rows times int4 / int8 weights (weights.amx_pack), dequantized onto AMX tiles.
 bool amx_available();
 torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor scales, int64_t bits);
