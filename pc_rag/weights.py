@@ -132,9 +132,10 @@ class QuantizedLinear(nn.Module, ABC):
         return self._blocks[1]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        tensors = self.kernel_tensors()
-        if tensors is None or not self.takes_kernel(x):
+        if not self.takes_kernel(x):  # many rows first: they never ask for the kernel's tensors
             return dense_linear(x, self.weight, self.bias)
+        tensors = self.kernel_tensors()
+        assert tensors is not None  # takes_kernel checked
         return _kernel_call(type(self).matmul, tensors, self.bias, x)
 
     def takes_kernel(self, x: torch.Tensor) -> bool:
