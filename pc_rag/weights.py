@@ -132,18 +132,20 @@ class QuantizedLinear(nn.Module, ABC):
         return self._blocks[1]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.takes_kernel(x):  # many rows first: they never ask for the kernel's tensors
+        tensors = self.kernel_tensors() if self._kernel_rows(x) else None  # many rows never ask for the tensors
+        if tensors is None:
             return dense_linear(x, self.weight, self.bias)
-        tensors = self.kernel_tensors()
-        assert tensors is not None  # takes_kernel checked
         return _kernel_call(type(self).matmul, tensors, self.bias, x)
 
     def takes_kernel(self, x: torch.Tensor) -> bool:
         """Whether ``forward(x)`` runs the fused kernel (at most ``KERNEL_ROWS`` bfloat16 rows on the CPU, where the
         kernel exists): a row's bits then do not depend on the other rows."""
+        return self._kernel_rows(x) and self.kernel_tensors() is not None
+
+    def _kernel_rows(self, x: torch.Tensor) -> bool:
+        """Whether ``x`` is rows a kernel takes: at most ``KERNEL_ROWS`` bfloat16 rows on the CPU."""
         rows = x.numel() // self.in_features
-        on_cpu = x.device.type == "cpu" and x.dtype == torch.bfloat16
-        return on_cpu and rows <= KERNEL_ROWS and self.kernel_tensors() is not None
+        return x.device.type == "cpu" and x.dtype == torch.bfloat16 and rows <= KERNEL_ROWS
 
     @staticmethod
     @abstractmethod

@@ -268,6 +268,11 @@ def cache_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, s
 Correction = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
+def untouched(module: nn.Module) -> bool:
+    """Whether only its class's forward acts on ``module``: no hook, no forward set on the instance."""
+    return not (module._forward_hooks or module._forward_pre_hooks or "forward" in module.__dict__)
+
+
 def kernel_corrections(*modules: nn.Module) -> list[Correction | None] | None:
     """What acts on each of ``modules`` now beyond its class's forward, as a correction ``fix(out, x)`` of the
     rows a fused kernel computed for it (None where nothing acts); None where something acts that a kernel's
@@ -277,6 +282,9 @@ def kernel_corrections(*modules: nn.Module) -> list[Correction | None] | None:
     (``SpliceAdapter.attach(merged=True)``), row for row as the module would add it."""
     found: list[Correction | None] = []
     for module in modules:
+        if untouched(module):
+            found.append(None)
+            continue
         if module._forward_hooks or module._forward_pre_hooks:
             return None
         forward = module.__dict__.get("forward")

@@ -82,10 +82,10 @@ class NativeLayers:
 
     def _corrections(self) -> list[torch.Tensor | None] | None:
         """Every layer's (a, b) per module, flat, or [] where nothing acts; None where something else acts."""
-        from pc_rag.runtime.decode_step import kernel_corrections  # decode_step imports this module
+        from pc_rag.runtime.decode_step import kernel_corrections, untouched  # decode_step imports this module
 
-        if not any(m._forward_hooks or m._forward_pre_hooks or "forward" in m.__dict__ for m in self._flat):
-            return []  # nothing acts: kernel_corrections' answer for every module, ~20x faster (each step asks)
+        if all(untouched(m) for m in self._flat):
+            return []  # kernel_corrections' answer where nothing acts, without its lists (each step asks)
         flat: list[torch.Tensor | None] = []
         acting = False
         for modules in self._modules:

@@ -97,12 +97,13 @@ struct Int4Weights {
   const uint8_t* chunks;   // [blocks, groups, 256]
   const BFloat16* scales;  // [blocks, groups, 32]
   int64_t groups, N;
+  __m512i table;  // centered_table(), made once a call
 };
 
 // Rows 0..R-1 of x times block `block` (R compile-time: the accumulators stay in registers).
 template <int R>
 void int4_pass(const Int4Weights& w, const BFloat16* x, const float* sums, BFloat16* out, int64_t K, int64_t block) {
-  const __m512i table = centered_table();
+  const __m512i table = w.table;
   __m512 total[R];
   for (int r = 0; r < R; ++r) total[r] = _mm512_setzero_ps();
   for (int64_t g = 0; g < w.groups; ++g) {
@@ -197,7 +198,7 @@ torch::Tensor int4_dot(const torch::Tensor& x, const torch::Tensor& chunks, cons
   auto result = torch::empty({rows, N}, x.options());
   const BFloat16* in = x.data_ptr<BFloat16>();
   BFloat16* out = result.data_ptr<BFloat16>();
-  const Int4Weights w{chunks.data_ptr<uint8_t>(), scales.data_ptr<BFloat16>(), K / kGroup, N};
+  const Int4Weights w{chunks.data_ptr<uint8_t>(), scales.data_ptr<BFloat16>(), K / kGroup, N, centered_table()};
   const std::vector<float> sums = group_sums(in, rows, K);
   run_rows(rows, blocks, [&](auto R, int64_t r0, int64_t block) {
     int4_pass<decltype(R)::value>(w, in + r0 * K, sums.data() + r0 * w.groups, out + r0 * N, K, block);
