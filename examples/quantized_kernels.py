@@ -30,7 +30,18 @@ Call = tuple[type[QuantizedLinear], tuple[torch.Tensor, ...], int]  # kind, its 
 
 def step_calls(model: torch.nn.Module, kernel: str) -> tuple[list[Call], list[Call]]:
     """The decoder layers' calls (q/k/v and gate/up joined) and the output projection's, for ``kernel``."""
-    os.environ[DOT_SWITCH] = "1" if kernel == "dot" else "0"
+    asked = os.environ.get(DOT_SWITCH)
+    os.environ[DOT_SWITCH] = "1" if kernel == "dot" else "0"  # what joined() packs for
+    try:
+        return _step_calls(model)
+    finally:
+        if asked is None:
+            os.environ.pop(DOT_SWITCH)
+        else:
+            os.environ[DOT_SWITCH] = asked
+
+
+def _step_calls(model: torch.nn.Module) -> tuple[list[Call], list[Call]]:
     layers: list[Call] = []
     for layer in model.get_decoder().layers:
         attn, mlp = layer.self_attn, layer.mlp
@@ -71,7 +82,6 @@ def main() -> None:
     torch.set_grad_enabled(False)
     model = load_model(dtype="int4").model
     calls = {kernel: step_calls(model, kernel) for kernel in ("aten", "dot")}
-    os.environ.pop(DOT_SWITCH)
     bandwidth = read_bandwidth_gb_s()
     print(f"read bandwidth {bandwidth:.1f} GB/s, {torch.get_num_threads()} threads")
     print(f"{'part':>8} {'rows':>4} {'ATen ms':>8} {'dot ms':>7} {'ATen/dot':>8} {'floor ms':>9} {'dot/floor':>9}")
